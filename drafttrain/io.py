@@ -1,0 +1,125 @@
+"""Atomic file and directory writes, and safe (pickle-free) loading.
+
+Everything the toolkit writes under a final name goes through here: write to a temporary sibling, flush,
+then ``os.replace``. A crash leaves either the old file or the new one, never half of one.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+class DraftTrainError(Exception):
+    """An error caused by user input or state; the CLI prints its message on one line and exits 2."""
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path in the same directory; on success it is renamed onto ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    path = Path(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise DraftTrainError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise DraftTrainError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+
+
+def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+
+
+def load_tensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    path = Path(path)
+    if not path.exists():
+        raise DraftTrainError(f"{path}: file not found")
+    return load_file(str(path), device=str(device))
+
+
+def torch_load_safe(path: str | os.PathLike) -> Any:
+    """Load a torch file without unpickling arbitrary objects (``weights_only=True``)."""
+    return torch.load(str(path), map_location="cpu", weights_only=True)
+
+
+def torch_save_atomic(obj: Any, path: str | os.PathLike) -> None:
+    with atomic_path(path) as tmp:
+        torch.save(obj, str(tmp))
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
+    """Build a directory under a temporary name, then swap it in as ``path``.
+
+    If ``path`` exists and ``overwrite`` is False this raises before anything is written. When it is
+    replaced, the old directory is kept until the new one is in place.
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise DraftTrainError(f"{path}: already exists; refusing to overwrite")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        _fsync_dir(tmp)
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
