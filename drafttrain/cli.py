@@ -1,0 +1,170 @@
+"""``drafttrain`` console script: ``drafttrain <command> key=value ...`` (Hydra overrides).
+
+Commands:
+  train         train a drafter (same as ``accelerate launch train.py ...``)
+  eval          evaluate a saved drafter (``drafter=runs/<run>/final``) or ar/pld in the speculative decoder
+  build-target  build (or find in the cache) the built-in target and print its path
+  regenerate    rewrite assistant turns of a JSONL file with the target's own outputs (resumable)
+
+Shorthands: ``target=<dir or hub name>`` (not a conf/target option) means ``target=hf
+target.name_or_path=<it>``; ``data=<file>.jsonl`` means ``data=jsonl data.path=<file>``.
+Errors caused by input or state print one line (``error: ...``) and exit with status 2.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO_ROOT / "conf"
+
+
+def _group_options(group: str) -> set[str]:
+    d = CONF_DIR / group
+    return {p.stem for p in d.glob("*.yaml")} if d.is_dir() else set()
+
+
+def expand_shorthands(overrides: list[str]) -> list[str]:
+    out: list[str] = []
+    for arg in overrides:
+        key, eq, value = arg.partition("=")
+        if eq and key == "target" and value and value not in _group_options("target"):
+            out += ["target=hf", f"target.name_or_path={value}"]
+        elif eq and key == "data" and value.endswith((".jsonl", ".json")):
+            out += ["data=jsonl", f"data.path={value}"]
+        else:
+            out.append(arg)
+    return out
+
+
+def _report_errors(fn: Callable) -> Callable:
+    """Turn DraftTrainError (and config errors raised inside the job) into one line and exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(cfg):
+        from omegaconf.errors import OmegaConfBaseException
+
+        from .io import DraftTrainError
+
+        try:
+            return fn(cfg)
+        except (DraftTrainError, OmegaConfBaseException) as e:
+            print(f"error: {e}".splitlines()[0] if isinstance(e, OmegaConfBaseException) else f"error: {e}",
+                  file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def _describe_config_error(exc: BaseException) -> str:
+    """One line for a composition error: which key, what is wrong, and a suggestion for a misspelled key."""
+    import difflib
+
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    cause = exc
+    while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__
+    full_key = getattr(cause, "full_key", None)
+    if isinstance(cause, ConfigKeyError) and full_key:
+        parent, _, leaf = str(full_key).rpartition(".")
+        known = []
+        node_type = getattr(cause, "object_type", None)
+        if node_type is not None and hasattr(node_type, "__dataclass_fields__"):
+            known = list(node_type.__dataclass_fields__)
+        close = difflib.get_close_matches(leaf, known, n=1)
+        hint = f" (did you mean '{(parent + '.') if parent else ''}{close[0]}'?)" if close else ""
+        return f"unknown config key '{full_key}'{hint}"
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    where = f"{full_key}: " if full_key else ""
+    return f"{where}{first}"
+
+
+def check_overrides(config_name: str, overrides: list[str]) -> None:
+    """Compose the config once up front so a bad key or value is reported in one line (exit status 2)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            compose(config_name=config_name, overrides=overrides)
+    except Exception as e:  # hydra wraps every composition problem; report it as one line
+        print(f"error: {_describe_config_error(e)}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def run_hydra(config_name: str, task: Callable, overrides: list[str]) -> None:
+    import hydra
+
+    from . import config  # noqa: F401  (registers the structured configs)
+
+    overrides = expand_shorthands(overrides)
+    check_overrides(config_name, [o for o in overrides if not o.startswith(("hydra.", "hydra/", "--"))])
+    sys.argv = [sys.argv[0]] + overrides
+    main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(_report_errors(task))
+    main()
+
+
+def _train_task(cfg):
+    from .training.loop import run_train
+
+    return run_train(cfg)
+
+
+def _eval_task(cfg):
+    from .eval import run_eval
+
+    return run_eval(cfg)
+
+
+def _build_target_task(cfg):
+    from .targets.load import resolve_target_path
+
+    if cfg.target.name_or_path != "builtin":
+        from .io import DraftTrainError
+
+        raise DraftTrainError("build-target builds the built-in target only (target=builtin)")
+    print(resolve_target_path(cfg.target))
+
+
+def _regenerate_task(cfg):
+    from .data.regenerate import regenerate_file
+    from .targets.load import load_target
+
+    model, tokenizer, _ = load_target(cfg.target)
+    stats = regenerate_file(
+        model, tokenizer, cfg.input, cfg.output, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+    )
+    print(stats)
+
+
+COMMANDS = {
+    "train": ("train", _train_task),
+    "eval": ("eval", _eval_task),
+    "build-target": ("build_target", _build_target_task),
+    "regenerate": ("regenerate", _regenerate_task),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(__doc__)
+        return
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"error: unknown command {cmd!r}; expected one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        sys.exit(2)
+    config_name, task = COMMANDS[cmd]
+    run_hydra(config_name, task, rest)
+
+
+if __name__ == "__main__":
+    main()

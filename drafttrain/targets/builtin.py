@@ -1,0 +1,253 @@
+"""The built-in target: a small Llama-architecture causal LM and BPE tokenizer, trained offline.
+
+Trained by the toolkit itself, deterministically (seeded), on the Python standard library sources of the
+running interpreter (the ``target`` split; see :mod:`drafttrain.data.stdlib`), in chat form (user: a function
+signature and docstring, assistant: its body; loss on the assistant span only) mixed with plain source text.
+Saved with ``save_pretrained`` (safetensors) and loadable with ``AutoModelForCausalLM``/``AutoTokenizer``.
+Cached under ``$DRAFTTRAIN_CACHE`` (default ``~/.cache/drafttrain``); ``$DRAFTTRAIN_BUILTIN_TARGET`` points
+at an existing build instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..io import DraftTrainError, atomic_dir, write_json
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+# Each message is "<|role|>{content}<|end|>": special tokens on both sides of the content, so the content
+# tokenises the same in training and after a generation prompt (no BPE merge across the boundary). The
+# assistant's "{content}<|end|>" is marked with {% generation %}, so
+# `apply_chat_template(..., return_assistant_tokens_mask=True)` gives the loss mask.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|assistant|>' }}{% generation %}{{ message['content'] }}{{ '<|end|>' }}{% endgeneration %}"
+    "{% else %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+@dataclass
+class BuiltinSpec:
+    """Everything that determines the built-in target; its hash names the cache entry."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 192
+    intermediate_size: int = 512
+    num_layers: int = 8
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 2048
+    seq_len: int = 256
+    batch_size: int = 16
+    steps: int = 420
+    lr: float = 3e-3
+    warmup_steps: int = 40
+    chat_fraction: float = 0.5
+    max_files: int = 0  # 0 = all files of the split (tests use a handful)
+    eval_batches: int = 8
+    seed: int = 0
+
+    def key(self) -> str:
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True) + sys.version.split()[0]
+        return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DRAFTTRAIN_CACHE", Path.home() / ".cache" / "drafttrain"))
+
+
+def builtin_path(spec: BuiltinSpec | None = None) -> Path:
+    override = os.environ.get("DRAFTTRAIN_BUILTIN_TARGET")
+    if override:
+        return Path(override)
+    spec = spec or BuiltinSpec()
+    return cache_root() / f"builtin-target-{spec.key()}"
+
+
+def ensure_builtin_target(spec: BuiltinSpec | None = None, quiet: bool = False) -> Path:
+    """Return the built-in target's directory, building it first if it is not cached.
+
+    Safe to call from several processes at once (``accelerate launch``): one builds, the others wait.
+    """
+    spec = spec or BuiltinSpec()
+    path = builtin_path(spec)
+    if (path / "config.json").exists():
+        return path
+    if os.environ.get("DRAFTTRAIN_BUILTIN_TARGET"):
+        raise DraftTrainError(f"DRAFTTRAIN_BUILTIN_TARGET={path}: no config.json there")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").exists():
+            if not quiet:
+                print(f"[drafttrain] building the built-in target into {path} (first use only)", flush=True)
+            build_builtin_target(path, spec, quiet=quiet)
+    return path
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE trained on ``texts``, wrapped as a transformers fast tokenizer with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|end|>",
+        pad_token="<|pad|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1_000_000,  # positions are bounded by the model config, not here
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _example_stream(tokenizer, chats, texts, spec: BuiltinSpec, rng: random.Random):
+    """Endless (input_ids, labels) sequences of exactly seq_len tokens: chats (assistant-only labels) and text."""
+    T = spec.seq_len
+    while True:
+        if rng.random() < spec.chat_fraction:
+            enc = tokenizer.apply_chat_template(
+                rng.choice(chats).messages(), return_dict=True, return_assistant_tokens_mask=True, tokenize=True
+            )
+            ids, mask = list(enc["input_ids"])[:T], list(enc["assistant_masks"])[:T]
+            labels = [i if m else -100 for i, m in zip(ids, mask)]
+            pad = T - len(ids)
+            yield ids + [tokenizer.pad_token_id] * pad, labels + [-100] * pad
+        else:
+            text = rng.choice(texts)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            start = rng.randrange(max(1, len(ids) - T + 1))
+            ids = ([tokenizer.bos_token_id] + ids[start : start + T - 1]) if start == 0 else ids[start : start + T]
+            pad = T - len(ids)
+            yield ids + [tokenizer.pad_token_id] * pad, ids + [-100] * pad
+
+
+def _batches(stream, batch_size):
+    while True:
+        rows = [next(stream) for _ in range(batch_size)]
+        yield torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
+
+
+def build_builtin_target(out_dir: Path, spec: BuiltinSpec, quiet: bool = False) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..data import stdlib
+
+    t0 = time.time()
+    torch.manual_seed(spec.seed)
+    rng = random.Random(spec.seed)
+    texts = stdlib.plain_texts("target")
+    chats = stdlib.code_chats("target")
+    eval_texts = stdlib.plain_texts("eval")
+    eval_chats = stdlib.code_chats("eval")
+    if spec.max_files:
+        texts, eval_texts = texts[: spec.max_files], eval_texts[: max(1, spec.max_files // 4)]
+        chats, eval_chats = chats[: 20 * spec.max_files], eval_chats[: 5 * spec.max_files]
+    if not texts or not chats:
+        raise DraftTrainError(f"no Python sources found under {stdlib.stdlib_root()}")
+    tokenizer = train_tokenizer(texts, spec.vocab_size)
+    V = len(tokenizer)
+    config = LlamaConfig(
+        vocab_size=V,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=spec.lr,
+        betas=(0.9, 0.95),
+    )
+
+    def lr_at(step):
+        if step < spec.warmup_steps:
+            return spec.lr * (step + 1) / spec.warmup_steps
+        frac = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
+        return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    batches = _batches(_example_stream(tokenizer, chats, texts, spec, rng), spec.batch_size)
+    bar = tqdm(range(spec.steps), desc="built-in target", disable=quiet, mininterval=2.0)
+    loss_ema = None
+    for step in bar:
+        ids, labels = next(batches)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        bar.set_postfix(loss=f"{loss_ema:.3f}")
+
+    model.eval()
+    eval_rng = random.Random(spec.seed + 1)
+    eval_batches = _batches(_example_stream(tokenizer, eval_chats, eval_texts, spec, eval_rng), spec.batch_size)
+    with torch.no_grad():
+        losses = []
+        for _ in range(spec.eval_batches):
+            ids, labels = next(eval_batches)
+            losses.append(model(input_ids=ids, labels=labels).loss.item())
+    heldout_loss = sum(losses) / len(losses)
+    info = {
+        "spec": dataclasses.asdict(spec),
+        "python": sys.version.split()[0],
+        "train_files": len(texts),
+        "heldout_loss": heldout_loss,
+        "build_seconds": round(time.time() - t0, 1),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        write_json(tmp / "drafttrain_builtin.json", info)
+    if not quiet:
+        print(
+            f"[drafttrain] built-in target: {info['parameters'] / 1e6:.1f}M params, held-out loss "
+            f"{heldout_loss:.3f} nats/token ({info['build_seconds']}s) -> {out_dir}",
+            flush=True,
+        )
+    return info
