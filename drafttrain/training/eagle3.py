@@ -1,0 +1,109 @@
+"""EAGLE-3 as a training method: how to build the drafter, capture the target online, and score a batch.
+
+The generic loop (loop.py) calls, per optimizer step: ``capture`` on every micro-batch (target forward under
+no_grad), ``count_valid`` to learn the global number of valid positions per TTT step, then ``loss`` per
+micro-batch. The math lives in drafttrain.drafters.eagle3 and drafttrain.losses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..data.vocab import build_draft_vocab, count_assistant_tokens, default_draft_vocab_size
+from ..drafters.eagle3 import Eagle3Drafter
+from ..io import DraftTrainError
+from ..losses import combine_step_losses, eagle3_step_stats, eagle3_valid_mask, step_weights
+from ..targets.load import num_layers, resolve_taps
+
+
+@dataclass
+class Capture:
+    taps: torch.Tensor  # [B, T, 3H]
+    logits: torch.Tensor  # [B, T, V]
+
+
+class Eagle3Method:
+    name = "eagle3"
+
+    def __init__(self, cfg, tokenizer, target_model):
+        self.cfg = cfg
+        self.taps = resolve_taps(num_layers(target_model), cfg.tap_layers)
+        self.ttt_steps = int(cfg.ttt_steps)
+        if self.ttt_steps < 1:
+            raise DraftTrainError(f"eagle3.ttt_steps={self.ttt_steps}: must be >= 1")
+        self.weights = step_weights(self.ttt_steps, cfg.step_decay)
+        self.eos_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
+
+    def build_drafter(self, target_model, examples, target_name: str) -> Eagle3Drafter:
+        V = target_model.get_output_embeddings().weight.shape[0]
+        size = self.cfg.draft_vocab_size or default_draft_vocab_size(V)
+        if size > V:
+            raise DraftTrainError(f"eagle3.draft_vocab_size={size} is larger than the target vocabulary ({V})")
+        counts = count_assistant_tokens(examples, V)
+        d2t, t2d = build_draft_vocab(counts, size, always_include=self.eos_ids)
+        coverage = counts[t2d].sum().item() / max(1, counts.sum().item())
+        self.vocab_coverage = coverage
+        return Eagle3Drafter.from_target(
+            target_model, self.taps, d2t, t2d, num_layers=self.cfg.num_layers, target_name_or_path=target_name
+        )
+
+    @torch.no_grad()
+    def capture(self, target_model, batch) -> Capture:
+        out = target_model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
+            use_cache=False,
+        )
+        taps = torch.cat([out.hidden_states[i] for i in self.taps], dim=-1)
+        return Capture(taps=taps, logits=out.logits.float())
+
+    def valid_masks(self, drafter, batch, cap: Capture) -> list[torch.Tensor]:
+        T = batch["input_ids"].shape[1]
+        return [
+            eagle3_valid_mask(T, batch["attention_mask"], batch["loss_mask"], cap.logits, drafter.t2d, i)
+            for i in range(self.ttt_steps)
+        ]
+
+    def count_valid(self, drafter, batch, cap: Capture) -> torch.Tensor:
+        return torch.stack([m.sum() for m in self.valid_masks(drafter, batch, cap)]).float()
+
+    def loss(self, model, drafter, batch, cap: Capture, global_counts: torch.Tensor, scale: float):
+        """Loss of one micro-batch, scaled so the sum over micro-batches and processes is the global mean.
+
+        ``model`` is the (possibly DDP-wrapped) drafter to call, ``drafter`` the unwrapped module.
+        Returns (scaled loss, stats dict of per-step sums).
+        """
+        step_logits = model(batch["input_ids"], cap.taps.to(next(drafter.parameters()).dtype),
+                            batch["attention_mask"], self.ttt_steps)
+        masks = self.valid_masks(drafter, batch, cap)
+        sums, stats = [], {}
+        for i, (logits, valid) in enumerate(zip(step_logits, masks)):
+            s = eagle3_step_stats(logits.float(), cap.logits, valid, drafter.d2t, drafter.t2d, i)
+            sums.append(s["loss_sum"])
+            for k in ("loss_sum", "acc_sum", "accept_sum", "count"):
+                stats[f"{k}_{i}"] = torch.as_tensor(s[k]).detach().float()
+        loss = combine_step_losses(sums, list(global_counts), self.weights) * scale
+        return loss, stats
+
+    def summarize(self, stats: dict) -> dict:
+        """Per-step means from summed stats (already reduced over processes and micro-batches)."""
+        out = {}
+        total = 0.0
+        for i in range(self.ttt_steps):
+            n = max(float(stats[f"count_{i}"]), 1.0)
+            li = float(stats[f"loss_sum_{i}"]) / n
+            out[f"loss_{i}"] = li
+            out[f"acc_{i}"] = float(stats[f"acc_sum_{i}"]) / n
+            out[f"accept_{i}"] = float(stats[f"accept_sum_{i}"]) / n
+            total += self.weights[i] * li
+        out["loss"] = total
+        out["valid_tokens_0"] = float(stats["count_0"])
+        return out
+
+    def estimated_tau(self, summary: dict, k: int) -> float:
+        """1 + Σ_{j=1..k} Π_{i<j} acc_i: the chain τ implied by per-step training accuracy (greedy)."""
+        tau, prod = 1.0, 1.0
+        for i in range(min(k, self.ttt_steps)):
+            prod *= summary[f"acc_{i}"]
+            tau += prod
+        return tau

@@ -1,0 +1,34 @@
+"""Shared fixtures. Everything runs offline on CPU with tiny models built in the tests."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A tiny built-in target (same code path as the real one, a few training steps on a few files).
+TINY_BUILTIN = {"steps": 10, "max_files": 20, "seq_len": 128, "batch_size": 8, "hidden_size": 64,
+                "intermediate_size": 128, "vocab_size": 512}
+TINY_BUILTIN_OVERRIDES = [f"target.builtin.{k}={v}" for k, v in TINY_BUILTIN.items()]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("drafttrain-cache")
+    os.environ["DRAFTTRAIN_CACHE"] = str(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_builtin_target(cache_dir) -> Path:
+    from drafttrain.targets.builtin import BuiltinSpec, ensure_builtin_target
+
+    return ensure_builtin_target(BuiltinSpec(**TINY_BUILTIN), quiet=True)

@@ -1,0 +1,95 @@
+"""Every shipped config composes into the structured schema; bad keys and values fail in one line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+import drafttrain.config as C
+from drafttrain.cli import CONF_DIR, expand_shorthands
+
+from .conftest import REPO
+
+PRIMARY = {"train": C.TrainJob, "eval": C.EvalJob, "build_target": C.BuildTargetJob,
+           "regenerate": C.RegenerateJob}
+REQUIRED = {"regenerate": ["input=a.jsonl", "output=b.jsonl"]}
+GROUP_REQUIRED = {("target", "hf"): ["target.name_or_path=some/dir"], ("data", "jsonl"): ["data.path=x.jsonl"]}
+
+
+def _compose(name, overrides):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=name, overrides=overrides)
+
+
+def _options(group):
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def test_recipe_dir_is_the_recipe_group():
+    assert (CONF_DIR / "recipe").resolve() == (REPO / "recipes").resolve()
+    assert _options("recipe"), "no recipes found"
+
+
+@pytest.mark.parametrize("name", sorted(PRIMARY))
+def test_primary_configs_compose(name):
+    cfg = _compose(name, REQUIRED.get(name, []))
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, PRIMARY[name])
+
+
+def _group_cases():
+    cases = []
+    for group in ("target", "data", "logger", "recipe"):
+        for opt in _options(group):
+            for primary in ("train", "eval"):
+                if group == "recipe" and primary != "train":
+                    continue
+                cases.append((primary, group, opt))
+    return cases
+
+
+@pytest.mark.parametrize("primary,group,opt", _group_cases())
+def test_every_group_option_composes(primary, group, opt):
+    cfg = _compose(primary, [f"{group}={opt}", *GROUP_REQUIRED.get((group, opt), [])])
+    obj = OmegaConf.to_object(cfg)  # validates every value against the dataclass types
+    assert isinstance(obj, PRIMARY[primary])
+    if group == "recipe":
+        assert obj.method == opt
+
+
+def test_every_recipe_header_has_its_launch_command():
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        text = path.read_text()
+        assert f"recipe={path.stem}" in text.split("\n\n")[0] or f"recipe={path.stem}" in text[:600], path
+
+
+def test_unknown_key_is_an_error_in_the_schema():
+    with pytest.raises(Exception, match="max_stepz"):
+        _compose("train", ["train.max_stepz=3"])
+
+
+def test_shorthands():
+    assert expand_shorthands(["target=builtin"]) == ["target=builtin"]
+    assert expand_shorthands(["target=/models/llama"]) == ["target=hf", "target.name_or_path=/models/llama"]
+    assert expand_shorthands(["data=chats.jsonl"]) == ["data=jsonl", "data.path=chats.jsonl"]
+    assert expand_shorthands(["data=builtin", "x=1"]) == ["data=builtin", "x=1"]
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.max_stepz=3", "max_stepz"),
+    ("train.max_steps=abc", "train.max_steps"),
+    ("eagle3.ttt_stepz=2", "ttt_stepz"),
+    ("recipe=nope", "recipe/nope"),
+])
+def test_cli_bad_override_is_one_line_exit_2(override, needle, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "drafttrain.cli", "train", override, f"hydra.run.dir={tmp_path}/r"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
+    assert not (tmp_path / "r").exists()  # nothing was started
