@@ -95,11 +95,16 @@ def load_target(target_cfg, device: torch.device | str | None = None):
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DraftTrainError(f"target.name_or_path={path}: cannot load a model config ({first})") from None
+    if type(config) not in AutoModelForCausalLM._model_mapping and not target_cfg.trust_remote_code:
+        raise DraftTrainError(f"target.name_or_path={path}: {type(config).__name__} is not a causal language model")
     kwargs = dict(dtype=dtype, trust_remote_code=target_cfg.trust_remote_code, revision=target_cfg.revision)
     if target_cfg.attn_implementation:
         kwargs["attn_implementation"] = target_cfg.attn_implementation
     try:
         model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0]
+        raise DraftTrainError(f"target.name_or_path={path}: cannot load the model weights ({first})") from None
     except ValueError as e:
         if "Unrecognized configuration class" in str(e) or "does not support" in str(e):
             raise DraftTrainError(
