@@ -1,0 +1,663 @@
+"""EAGLE-3 drafter: a plain ``nn.Module`` plus its preallocated KV cache.
+
+Architecture (see docs/design.md and EAGLE-3's ``cnets.py``):
+
+- ``fc``: ``Linear(3 * target_hidden -> H)`` fuses the three target taps;
+- ``embed_tokens``: copied from the target, frozen;
+- ``layers.0``: RMS-normalises the token embedding (``input_layernorm``) and the hidden stream
+  (``hidden_norm``) separately and concatenates them (2H) into q/k/v; the residual carries only the
+  hidden stream; then ``post_attention_layernorm`` + SwiGLU MLP;
+- ``layers.1..``: plain Llama layers (H input);
+- ``norm`` + ``lm_head`` (H -> draft vocabulary); buffers ``d2t`` (offsets) and ``t2d`` (membership).
+
+The output hidden state handed to the next drafting step is the residual stream *before* the final norm.
+
+Training uses :meth:`Eagle3Drafter.ttt_forward` (training-time test, O(T^2 + steps*T) attention);
+inference uses :meth:`Eagle3Drafter.step` with an :class:`Eagle3Cache`. A test checks that both agree.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafttrain.io import DraftTrainError, atomic_dir, load_tensors, read_json, save_tensors, write_json
+
+__all__ = [
+    "Eagle3Config",
+    "Eagle3Cache",
+    "Eagle3Drafter",
+    "ttt_reference_mask",
+    "ttt_attention",
+    "masked_attention",
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
+]
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+DRAFTER_TYPE = "eagle3"
+
+
+# ----------------------------------------------------------------------------------------------- config
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    num_layers: int = 1
+    tap_layers: list[int] = field(default_factory=lambda: [2, 4, 5])
+    target_name_or_path: str = ""
+    target_num_layers: int = 0
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        self.tap_layers = [int(t) for t in self.tap_layers]
+        problems = []
+        for name in ("hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size", "num_layers"):
+            if int(getattr(self, name)) <= 0:
+                problems.append(f"{name} must be positive (got {getattr(self, name)})")
+        if self.num_key_value_heads > 0 and self.num_attention_heads % self.num_key_value_heads:
+            problems.append(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            problems.append(f"head_dim must be even for rotary embeddings (got {self.head_dim})")
+        if self.draft_vocab_size > self.vocab_size:
+            problems.append(f"draft_vocab_size ({self.draft_vocab_size}) > vocab_size ({self.vocab_size})")
+        if len(self.tap_layers) != 3:
+            problems.append(f"tap_layers must have 3 entries (got {self.tap_layers})")
+        if problems:
+            raise DraftTrainError("invalid Eagle3Config: " + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Eagle3Config":
+        names = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        missing = sorted(required - d.keys())
+        if missing:
+            raise DraftTrainError(f"Eagle3 config is missing fields: {', '.join(missing)}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _cfg_get(cfg: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def _rope_theta(cfg: Any) -> float:
+    rp = getattr(cfg, "rope_parameters", None)
+    if isinstance(rp, dict):
+        if "rope_theta" in rp:
+            return float(rp["rope_theta"])
+        # per-layer-type rope parameters (e.g. Gemma 3): take the full-attention one if present
+        for key in ("full_attention", "default"):
+            if isinstance(rp.get(key), dict) and "rope_theta" in rp[key]:
+                return float(rp[key]["rope_theta"])
+    return float(_cfg_get(cfg, "rope_theta", default=10000.0))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default (unscaled) Llama RoPE. Frequencies are computed in float32 on use, so casting the module to
+    bf16/fp16 does not degrade them (a float buffer would be cast by ``.to(dtype)``)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = float(theta)
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+        return (1.0 / (self.theta ** exponent)).to(device=device, dtype=torch.float32)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids ``[..., T]`` -> cos, sin ``[..., T, head_dim]``."""
+        freqs = position_ids.float()[..., None] * self.inv_freq(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[B, heads, T, D]``; cos/sin ``[T, D]`` or ``[B, T, D]``."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    return x * cos + _rotate_half(x) * sin
+
+
+def _mask_value(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).min
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Plain GQA attention with a boolean mask (True = attend).
+
+    q ``[B, Hq, Tq, D]``, k/v ``[B, Hkv, S, D]``, mask broadcastable to ``[B, Tq, S]`` -> ``[B, Hq, Tq, D]``.
+    Softmax is computed in float32. A fully masked row yields a uniform average instead of NaN.
+    """
+    B, Hq, Tq, D = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    qg = q.reshape(B, Hkv, g, Tq, D)
+    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float() / math.sqrt(D)  # [B,Hkv,g,Tq,S]
+    m = mask.to(torch.bool)
+    while m.dim() < 3:
+        m = m.unsqueeze(0)
+    scores = scores.masked_fill(~m[:, None, None], _mask_value(scores.dtype))
+    p = scores.softmax(-1).to(v.dtype)
+    out = torch.matmul(p, v.unsqueeze(2))
+    return out.reshape(B, Hq, Tq, D)
+
+
+def ttt_attention(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    k_diag: list[torch.Tensor],
+    v_diag: list[torch.Tensor],
+    mask0: torch.Tensor,
+) -> torch.Tensor:
+    """Training-time-test attention in O(T^2 + steps*T).
+
+    Query at index t attends to the step-0 keys allowed by ``mask0`` (``[B, T, T]``, causal + key padding)
+    and to the key at index t of every later step (``k_diag[j]`` ``[B, Hkv, T, D]``). One softmax over both.
+    """
+    B, Hq, T, D = q.shape
+    Hkv = k0.shape[1]
+    g = Hq // Hkv
+    scale = 1.0 / math.sqrt(D)
+    qg = q.reshape(B, Hkv, g, T, D)
+    s0 = torch.matmul(qg, k0.unsqueeze(2).transpose(-1, -2)).float() * scale  # [B,Hkv,g,T,T]
+    s0 = s0.masked_fill(~mask0.to(torch.bool)[:, None, None], _mask_value(s0.dtype))
+    if not k_diag:
+        p = s0.softmax(-1).to(v0.dtype)
+        return torch.matmul(p, v0.unsqueeze(2)).reshape(B, Hq, T, D)
+    diag = [(qg * kj.unsqueeze(2)).sum(-1, keepdim=True).float() * scale for kj in k_diag]  # [B,Hkv,g,T,1]
+    p = torch.cat([s0, *diag], dim=-1).softmax(-1).to(v0.dtype)
+    out = torch.matmul(p[..., :T], v0.unsqueeze(2))
+    for j, vj in enumerate(v_diag):
+        out = out + p[..., T + j : T + j + 1] * vj.unsqueeze(2)
+    return out.reshape(B, Hq, T, D)
+
+
+def _causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` (1 = real) -> ``[B, T, T]``: key s visible to query t iff s <= t and s is real."""
+    B, T = attention_mask.shape
+    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
+    return causal[None] & attention_mask.to(torch.bool)[:, None, :]
+
+
+def ttt_reference_mask(T: int, step: int, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Explicit TTT mask over the concatenated keys of steps ``0..step``: ``[B, T, (step+1)*T]`` bool.
+
+    Key ``j*T + s`` (step j, index s) is visible to query t iff (j == 0 and s <= t and s is real) or
+    (j >= 1 and s == t). Slow (O(steps*T^2)); for tests and debugging.
+    """
+    attention_mask = attention_mask.to(torch.bool)
+    if attention_mask.shape[-1] != T:
+        raise ValueError(f"attention_mask has length {attention_mask.shape[-1]}, expected {T}")
+    blocks = [_causal_padding_mask(attention_mask)]
+    eye = torch.eye(T, dtype=torch.bool, device=attention_mask.device)
+    B = attention_mask.shape[0]
+    blocks += [eye.expand(B, T, T)] * step
+    return torch.cat(blocks, dim=-1)
+
+
+def _shift_left(input_ids: torch.Tensor, n: int, pad_id: int = 0) -> torch.Tensor:
+    if n == 0:
+        return input_ids
+    B, T = input_ids.shape
+    pad = torch.full((B, min(n, T)), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    return torch.cat([input_ids[:, n:], pad], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------- modules
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config, in_dim: int) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(in_dim, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x ``[B, T, in]`` -> rotated q ``[B, Hq, T, D]``, rotated k and v ``[B, Hkv, T, D]``."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+    def out(self, attn: torch.Tensor) -> torch.Tensor:
+        B, H, T, D = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(B, T, H * D))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    """Layer 0 (``first=True``): [norm(embed); hidden_norm(hidden)] -> attention. Others: plain Llama."""
+
+    def __init__(self, cfg: Eagle3Config, first: bool) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.first = first
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        if first:
+            self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg, 2 * H if first else H)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = Eagle3MLP(H, cfg.intermediate_size)
+
+    def attn_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+        return self.input_layernorm(hidden)
+
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h = residual + self.self_attn.out(attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# ------------------------------------------------------------------------------------------------ cache
+class Eagle3Cache:
+    """Preallocated per-layer K/V ``[B, Hkv, max_len, D]`` plus a fill ``length``.
+
+    Entries at positions >= ``length`` are dead. Rollback is by index (:meth:`truncate`); accepted tree
+    paths are compacted with :meth:`keep`.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        if max_len <= 0 or batch_size <= 0:
+            raise ValueError(f"batch_size and max_len must be positive (got {batch_size}, {max_len})")
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+    def truncate(self, n: int) -> None:
+        """Keep positions ``[0, n)``."""
+        n = int(n)
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate cache of length {self.length} to {n}")
+        self.length = n
+
+    def keep(self, indices: torch.Tensor, start: int | None = None) -> None:
+        """Compact: positions ``< start`` stay; the positions in ``indices`` move to ``start, start+1, ...``.
+
+        ``indices``: LongTensor ``[k]`` (same for every row) or ``[B, k]`` (per row) of absolute positions,
+        all in ``[start, length)``. ``start`` defaults to the smallest index. Afterwards
+        ``length == start + k``.
+        """
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.k[0].device)
+        if idx.dim() not in (1, 2) or (idx.dim() == 2 and idx.shape[0] != self.batch_size):
+            raise ValueError(f"indices must be [k] or [batch={self.batch_size}, k], got {tuple(idx.shape)}")
+        kept = idx.shape[-1]
+        if kept == 0:
+            if start is None:
+                raise ValueError("keep() with no indices needs an explicit start")
+            self.truncate(start)
+            return
+        start = int(idx.min()) if start is None else int(start)
+        if int(idx.min()) < start or int(idx.max()) >= self.length:
+            raise ValueError(f"keep indices must lie in [{start}, {self.length})")
+        for buf in (*self.k, *self.v):
+            if idx.dim() == 1:
+                sel = buf.index_select(2, idx)
+            else:
+                B, Hkv, _, D = buf.shape
+                sel = buf.gather(2, idx[:, None, :, None].expand(B, Hkv, kept, D))
+            buf[:, :, start : start + kept] = sel
+        self.length = start + kept
+
+
+# ---------------------------------------------------------------------------------------------- drafter
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: Eagle3Config, d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList([Eagle3Layer(c, first=(i == 0)) for i in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta)
+        if d2t is None:
+            d2t = torch.zeros(c.draft_vocab_size, dtype=torch.long)
+        if t2d is None:
+            t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+            t2d[: c.draft_vocab_size] = True
+        self._check_vocab(d2t, t2d)
+        self.register_buffer("d2t", d2t.to(torch.long).clone())
+        self.register_buffer("t2d", t2d.to(torch.bool).clone())
+        self.reset_parameters()
+
+    def _check_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        c = self.config
+        if d2t.dim() != 1 or d2t.numel() != c.draft_vocab_size:
+            raise DraftTrainError(f"d2t must have {c.draft_vocab_size} entries (draft vocab), got {tuple(d2t.shape)}")
+        if t2d.dim() != 1 or t2d.numel() != c.vocab_size:
+            raise DraftTrainError(
+                f"t2d must have {c.vocab_size} entries (the target's embedding rows), got {tuple(t2d.shape)}"
+            )
+        targets = torch.arange(d2t.numel(), device=d2t.device) + d2t.long()
+        if (targets < 0).any() or (targets >= c.vocab_size).any() or (targets[1:] <= targets[:-1]).any():
+            raise DraftTrainError("d2t offsets do not give strictly increasing target ids inside the vocabulary")
+        if int(t2d.sum()) != d2t.numel() or not bool(t2d.to(targets.device)[targets].all()):
+            raise DraftTrainError("d2t and t2d disagree (t2d must mark exactly the ids d2t maps to)")
+
+    def reset_parameters(self) -> None:
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+        with torch.no_grad():
+            nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=std)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_target(
+        cls,
+        target_model: nn.Module,
+        tap_layers,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+        num_layers: int = 1,
+        target_name_or_path: str = "",
+    ) -> "Eagle3Drafter":
+        """Size the drafter from ``target_model.config``; copy (and freeze) its input embedding; initialise
+        ``lm_head`` from the target's output-embedding rows of the draft vocabulary."""
+        cfg = target_model.config
+        if hasattr(cfg, "get_text_config"):
+            cfg = cfg.get_text_config()
+        emb = target_model.get_input_embeddings().weight
+        H = int(_cfg_get(cfg, "hidden_size"))
+        heads = int(_cfg_get(cfg, "num_attention_heads"))
+        L = int(_cfg_get(cfg, "num_hidden_layers"))
+        taps = [int(t) for t in tap_layers]
+        if len(taps) != 3 or any(not 0 <= t <= L for t in taps):
+            raise DraftTrainError(f"tap_layers must be 3 hidden_states indices in [0, {L}], got {list(tap_layers)}")
+        if emb.shape[1] != H:
+            raise DraftTrainError(f"target embedding width {emb.shape[1]} != hidden_size {H}")
+        config = Eagle3Config(
+            hidden_size=H,
+            target_hidden_size=H,
+            intermediate_size=int(_cfg_get(cfg, "intermediate_size", default=4 * H)),
+            num_attention_heads=heads,
+            num_key_value_heads=int(_cfg_get(cfg, "num_key_value_heads", default=heads)),
+            head_dim=int(_cfg_get(cfg, "head_dim", default=H // heads)),
+            vocab_size=int(emb.shape[0]),
+            draft_vocab_size=int(d2t.numel()),
+            rms_norm_eps=float(_cfg_get(cfg, "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", default=1e-6)),
+            rope_theta=_rope_theta(cfg),
+            max_position_embeddings=int(_cfg_get(cfg, "max_position_embeddings", default=2048)),
+            num_layers=int(num_layers),
+            tap_layers=taps,
+            target_name_or_path=str(target_name_or_path),
+            target_num_layers=L,
+            initializer_range=float(_cfg_get(cfg, "initializer_range", default=0.02)),
+        )
+        model = cls(config, d2t.detach().cpu(), t2d.detach().cpu())
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(emb.detach().to("cpu", torch.float32))
+            out = target_model.get_output_embeddings() if hasattr(target_model, "get_output_embeddings") else None
+            if out is not None and getattr(out, "weight", None) is not None and out.weight.shape == emb.shape:
+                ids = model.draft_target_ids().to(out.weight.device)
+                model.lm_head.weight.copy_(out.weight.detach()[ids].to("cpu", torch.float32))
+        return model
+
+    # ------------------------------------------------------------------ small API
+    def draft_target_ids(self) -> torch.Tensor:
+        """Target id of every draft id, ``[Vd]`` ascending."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens.")]
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """``[B, T, 3*Ht]`` -> ``[B, T, H]``."""
+        if taps.shape[-1] != self.fc.in_features:
+            raise DraftTrainError(
+                f"taps have width {taps.shape[-1]}, expected 3 x target_hidden = {self.fc.in_features}"
+            )
+        return self.fc(taps.to(self.fc.weight.dtype))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def logits_to_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """Scatter draft logits ``[..., Vd]`` to target ids ``[..., V]``; -inf elsewhere."""
+        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        out[..., self.draft_target_ids().to(logits.device)] = logits
+        return out
+
+    # ------------------------------------------------------------------ training (TTT)
+    def ttt_forward(
+        self,
+        input_ids: torch.Tensor,
+        taps: torch.Tensor,
+        attention_mask: torch.Tensor,
+        ttt_steps: int,
+        attention_impl: str = "efficient",
+        return_hidden: bool = False,
+    ):
+        """Unroll ``ttt_steps`` drafting steps (docs/design.md, "EAGLE-3 alignment").
+
+        Returns a list of per-step draft logits ``[B, T, Vd]`` (and, with ``return_hidden``, the list of
+        per-step output hidden states ``[B, T, H]``). ``attention_impl="reference"`` uses the explicit
+        mask of :func:`ttt_reference_mask` (slow; for tests).
+        """
+        if attention_impl not in ("efficient", "reference"):
+            raise ValueError(f"attention_impl must be 'efficient' or 'reference', got {attention_impl!r}")
+        if ttt_steps < 1:
+            raise DraftTrainError(f"ttt_steps must be >= 1, got {ttt_steps}")
+        B, T = input_ids.shape
+        if taps.shape[:2] != (B, T) or attention_mask.shape != (B, T):
+            raise DraftTrainError(
+                f"shape mismatch: input_ids {tuple(input_ids.shape)}, taps {tuple(taps.shape)}, "
+                f"attention_mask {tuple(attention_mask.shape)}"
+            )
+        device = input_ids.device
+        hidden = self.fuse(taps)
+        dtype = hidden.dtype
+        mask0 = _causal_padding_mask(attention_mask)
+        pos = torch.arange(T, device=device)
+        k0: list[torch.Tensor | None] = [None] * len(self.layers)
+        v0: list[torch.Tensor | None] = [None] * len(self.layers)
+        kd: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        vd: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        logits_out, hidden_out = [], []
+        for i in range(ttt_steps):
+            emb = self.embed_tokens(_shift_left(input_ids, 1 + i)).to(dtype)
+            cos, sin = self.rotary(pos + i, dtype)
+            h = hidden
+            for li, layer in enumerate(self.layers):
+                q, k, v = layer.self_attn.qkv(layer.attn_input(emb, h), cos, sin)
+                if i == 0:
+                    k0[li], v0[li] = k, v
+                else:
+                    kd[li].append(k)
+                    vd[li].append(v)
+                if attention_impl == "efficient":
+                    a = ttt_attention(q, k0[li], v0[li], kd[li], vd[li], mask0)
+                else:
+                    kc = torch.cat([k0[li], *kd[li]], dim=2)
+                    vc = torch.cat([v0[li], *vd[li]], dim=2)
+                    a = masked_attention(q, kc, vc, ttt_reference_mask(T, i, attention_mask))
+                h = layer.finish(a, h)
+            hidden = h
+            logits_out.append(self.compute_logits(h))
+            hidden_out.append(h)
+        return (logits_out, hidden_out) if return_hidden else logits_out
+
+    # ------------------------------------------------------------------ inference
+    def new_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> Eagle3Cache:
+        p = self.fc.weight
+        c = self.config
+        return Eagle3Cache(c.num_layers, batch_size, c.num_key_value_heads, max_len, c.head_dim,
+                           device=device or p.device, dtype=dtype or p.dtype)
+
+    @torch.no_grad()
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        cache: Eagle3Cache,
+        position_ids: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run n new positions; append their K/V at cache positions ``[length, length+n)``.
+
+        input_ids ``[B, n]``; hidden ``[B, n, H]`` (``fuse(taps)`` or a previous ``out_hidden``);
+        position_ids default ``arange(length, length+n)``; attn_mask ``[B, n, length+n]`` bool (True =
+        attend), default causal. Returns ``(logits [B, n, Vd], out_hidden [B, n, H])``.
+        """
+        B, n = input_ids.shape
+        L = cache.length
+        if hidden.shape[:2] != (B, n):
+            raise DraftTrainError(f"hidden {tuple(hidden.shape)} does not match input_ids {tuple(input_ids.shape)}")
+        if B != cache.batch_size:
+            raise DraftTrainError(f"batch size {B} != cache batch size {cache.batch_size}")
+        if L + n > cache.max_len:
+            raise DraftTrainError(f"draft cache overflow: {L} + {n} > max_len {cache.max_len}")
+        device = input_ids.device
+        dtype = self.fc.weight.dtype
+        if position_ids is None:
+            position_ids = torch.arange(L, L + n, device=device).expand(B, n)
+        if attn_mask is None:
+            kpos = torch.arange(L + n, device=device)
+            attn_mask = (kpos[None, :] <= (L + torch.arange(n, device=device))[:, None])[None]
+        else:
+            attn_mask = attn_mask.to(device=device, dtype=torch.bool)
+            if attn_mask.shape[-2:] != (n, L + n):
+                raise DraftTrainError(f"attn_mask must be [B, {n}, {L + n}], got {tuple(attn_mask.shape)}")
+        emb = self.embed_tokens(input_ids).to(dtype)
+        cos, sin = self.rotary(position_ids, dtype)
+        h = hidden.to(dtype)
+        for li, layer in enumerate(self.layers):
+            q, k, v = layer.self_attn.qkv(layer.attn_input(emb, h), cos, sin)
+            cache.k[li][:, :, L : L + n] = k.to(cache.k[li].dtype)
+            cache.v[li][:, :, L : L + n] = v.to(cache.v[li].dtype)
+            kc = cache.k[li][:, :, : L + n].to(q.dtype)
+            vc = cache.v[li][:, :, : L + n].to(q.dtype)
+            h = layer.finish(masked_attention(q, kc, vc, attn_mask), h)
+        cache.length = L + n
+        return self.compute_logits(h), h
+
+    # ------------------------------------------------------------------ save / load
+    def save_pretrained(self, directory: str | os.PathLike, overwrite: bool = True) -> None:
+        cfg = {"drafter_type": DRAFTER_TYPE, **self.config.to_dict()}
+        tensors = {k: v for k, v in self.state_dict().items()}
+        with atomic_dir(directory, overwrite=overwrite) as tmp:
+            write_json(tmp / CONFIG_NAME, cfg)
+            save_tensors(tmp / WEIGHTS_NAME, tensors, metadata={"format": "pt", "drafter_type": DRAFTER_TYPE})
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, device=None) -> "Eagle3Drafter":
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise DraftTrainError(f"{directory}: not a directory")
+        raw = read_json(directory / CONFIG_NAME)
+        if not isinstance(raw, dict):
+            raise DraftTrainError(f"{directory / CONFIG_NAME}: expected a JSON object")
+        kind = raw.get("drafter_type")
+        if kind != DRAFTER_TYPE:
+            raise DraftTrainError(f"{directory / CONFIG_NAME}: drafter_type is {kind!r}, expected {DRAFTER_TYPE!r}")
+        config = Eagle3Config.from_dict(raw)
+        weights = directory / WEIGHTS_NAME
+        if not weights.exists():
+            raise DraftTrainError(f"{weights}: file not found (only safetensors weights are loaded)")
+        try:
+            sd = load_tensors(weights)
+        except DraftTrainError:
+            raise
+        except Exception as e:  # corrupted / truncated file
+            raise DraftTrainError(f"{weights}: cannot read safetensors file ({e})") from None
+        if "d2t" not in sd or "t2d" not in sd:
+            raise DraftTrainError(f"{weights}: missing d2t/t2d buffers")
+        model = cls(config, sd["d2t"], sd["t2d"])
+        saved_dtype = sd["fc.weight"].dtype if "fc.weight" in sd else torch.float32
+        if saved_dtype.is_floating_point and saved_dtype != torch.float32:
+            model.to(saved_dtype)
+        expected = model.state_dict()
+        missing = sorted(expected.keys() - sd.keys())
+        unexpected = sorted(sd.keys() - expected.keys())
+        if missing or unexpected:
+            raise DraftTrainError(
+                f"{weights}: does not match config.json (missing: {missing[:5]}{'...' if len(missing) > 5 else ''}; "
+                f"unexpected: {unexpected[:5]}{'...' if len(unexpected) > 5 else ''})"
+            )
+        bad = [f"{k} {tuple(sd[k].shape)} != {tuple(v.shape)}" for k, v in expected.items() if sd[k].shape != v.shape]
+        if bad:
+            raise DraftTrainError(f"{weights}: shape mismatch vs config.json: {'; '.join(bad[:5])}")
+        model.load_state_dict(sd, strict=True)
+        if device is not None:
+            model.to(device)
+        return model

@@ -1,0 +1,187 @@
+import math
+
+import pytest
+import torch
+import transformers as tf
+
+from drafttrain.data.vocab import build_draft_vocab
+from drafttrain.drafters.eagle3 import Eagle3Drafter
+from drafttrain.losses import combine_step_losses, eagle3_step_stats, eagle3_valid_mask, step_weights
+
+# target vocab 4, draft vocab = target ids {0, 2, 3}
+D2T = torch.tensor([0, 1, 1])
+T2D = torch.tensor([True, False, True, True])
+
+
+def _softmax(xs):
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    return [x / sum(e) for x in e]
+
+
+def test_soft_ce_by_hand():
+    # T = 4, step 0: indices t = 0, 1 are predictable (t + 2 < 4); teacher for t is target_logits[t + 1]
+    target = torch.tensor([[[9.0, 9.0, 9.0, 9.0],
+                            [2.0, 1.0, 0.5, -1.0],   # teacher of t=0, argmax 0 (in draft vocab)
+                            [0.0, 3.0, 1.0, 2.0],    # teacher of t=1, argmax 1 (NOT in draft vocab)
+                            [5.0, 5.0, 5.0, 5.0]]])
+    draft = torch.tensor([[[0.3, -0.2, 1.0], [1.0, 2.0, 3.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
+    am = torch.ones(1, 4, dtype=torch.long)
+    lm = torch.ones(1, 4, dtype=torch.long)
+    valid = eagle3_valid_mask(4, am, lm, target, T2D, 0)
+    assert valid.tolist() == [[True, False, False, False]]
+    st = eagle3_step_stats(draft, target, valid, D2T, T2D, 0)
+
+    p = _softmax([2.0, 0.5, -1.0])           # teacher restricted to ids 0, 2, 3, renormalised
+    logq = [x - math.log(sum(math.exp(y) for y in [0.3, -0.2, 1.0])) for x in [0.3, -0.2, 1.0]]
+    expected = -sum(pi * li for pi, li in zip(p, logq))
+    assert st["loss_sum"].item() == pytest.approx(expected, rel=1e-6)
+    assert st["count"].item() == 1
+    # draft argmax = draft id 2 -> target id 3; teacher argmax = 0 -> wrong
+    assert st["acc_sum"].item() == 0
+    # acceptance = sum_x min(p_full, q_full)
+    p_full = _softmax([2.0, 1.0, 0.5, -1.0])
+    q = [math.exp(x) for x in logq]
+    q_full = [q[0], 0.0, q[1], q[2]]
+    assert st["accept_sum"].item() == pytest.approx(sum(min(a, b) for a, b in zip(p_full, q_full)), rel=1e-6)
+
+
+def test_accept_sum_is_one_minus_tvd_and_acc():
+    g = torch.Generator().manual_seed(0)
+    B, T, V, Vd = 2, 6, 12, 5
+    d2t, t2d = build_draft_vocab(torch.randint(0, 9, (V,), generator=g), Vd)
+    target = torch.randn(B, T, V, generator=g) * 2
+    draft = torch.randn(B, T, Vd, generator=g) * 2
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    valid[:, :4] = True
+    for step in (0, 1):
+        st = eagle3_step_stats(draft, target, valid, d2t, t2d, step)
+        tvd_sum, acc = 0.0, 0
+        ids = torch.arange(Vd) + d2t
+        for b in range(B):
+            for t in range(4):
+                p = torch.softmax(target[b, t + 1 + step].double(), -1)
+                q = torch.zeros(V, dtype=torch.double)
+                q[ids] = torch.softmax(draft[b, t].double(), -1)
+                tvd_sum += 1 - 0.5 * (p - q).abs().sum().item()
+                acc += int(ids[draft[b, t].argmax()] == target[b, t + 1 + step].argmax())
+        assert st["accept_sum"].item() == pytest.approx(tvd_sum, rel=1e-5)
+        assert st["acc_sum"].item() == acc
+        assert st["count"].item() == 8
+
+
+def test_valid_mask_alignment_matches_definition():
+    g = torch.Generator().manual_seed(1)
+    B, T, V = 3, 10, 16
+    t2d = torch.rand(V, generator=g) < 0.6
+    target = torch.randn(B, T, V, generator=g)
+    am = torch.ones(B, T, dtype=torch.long)
+    am[1, 7:] = 0
+    am[2, 4:] = 0
+    lm = (torch.rand(B, T, generator=g) < 0.7).long() * am
+    for step in range(4):
+        got = eagle3_valid_mask(T, am, lm, target, t2d, step)
+        for b in range(B):
+            for t in range(T):
+                j = t + 2 + step
+                want = j < T and bool(am[b, j]) and bool(lm[b, j]) and bool(t2d[target[b, t + 1 + step].argmax()])
+                assert bool(got[b, t]) == want, (step, b, t)
+        assert got.any()  # non-vacuous
+    assert not eagle3_valid_mask(3, am[:, :3], lm[:, :3], target[:, :3], t2d, 1).any()
+
+
+def _stats_over_steps(draft_steps, target, am, lm, d2t, t2d):
+    T = target.shape[1]
+    out = []
+    for i, dl in enumerate(draft_steps):
+        valid = eagle3_valid_mask(T, am, lm, target, t2d, i)
+        out.append(eagle3_step_stats(dl, target, valid, d2t, t2d, i))
+    return out
+
+
+def test_padding_and_global_normalisation():
+    g = torch.Generator().manual_seed(2)
+    V, Vd, steps = 10, 6, 3
+    d2t, t2d = build_draft_vocab(torch.randint(0, 9, (V,), generator=g), Vd)
+    lens = [9, 6]
+    seqs = []
+    for n in lens:
+        target = torch.randn(1, n, V, generator=g)
+        target[..., ~t2d] -= 5  # keep most teacher argmaxes inside the draft vocab
+        draft = [torch.randn(1, n, Vd, generator=g) for _ in range(steps)]
+        lm = torch.ones(1, n, dtype=torch.long)
+        lm[0, :2] = 0
+        seqs.append((target, draft, lm))
+    w = step_weights(steps)
+
+    # separately (two micro-batches), combined with global counts
+    per = [_stats_over_steps(d, t, torch.ones_like(lm), lm, d2t, t2d) for t, d, lm in seqs]
+    sums = [per[0][i]["loss_sum"] + per[1][i]["loss_sum"] for i in range(steps)]
+    counts = [per[0][i]["count"] + per[1][i]["count"] for i in range(steps)]
+    loss_sep = combine_step_losses(sums, counts, w)
+
+    # one right-padded batch, with 3 extra padded positions of garbage
+    T = max(lens) + 3
+    target = torch.randn(2, T, V, generator=g) * 10
+    draft = [torch.randn(2, T, Vd, generator=g) * 10 for _ in range(steps)]
+    am = torch.zeros(2, T, dtype=torch.long)
+    lm = torch.zeros(2, T, dtype=torch.long)
+    for b, (n, (tg, dr, m)) in enumerate(zip(lens, seqs)):
+        target[b, :n] = tg[0]
+        for i in range(steps):
+            draft[i][b, :n] = dr[i][0]
+        am[b, :n] = 1
+        lm[b, :n] = m[0]
+    batch = _stats_over_steps(draft, target, am, lm, d2t, t2d)
+    loss_batch = combine_step_losses([s["loss_sum"] for s in batch], [s["count"] for s in batch], w)
+    torch.testing.assert_close(loss_batch, loss_sep)
+    assert [s["count"].item() for s in batch] == [c.item() for c in counts]
+
+    # global normalisation is a mean over all valid positions, not a mean of per-batch means
+    mean_of_means = sum(w[i] * (per[0][i]["loss_sum"] / per[0][i]["count"] + per[1][i]["loss_sum"]
+                                / per[1][i]["count"]) / 2 for i in range(steps))
+    assert abs(mean_of_means.item() - loss_sep.item()) > 1e-4
+
+
+def test_combine_and_weights():
+    assert step_weights(3) == pytest.approx([1.0, 0.8, 0.64])
+    assert step_weights(2, decay=0.5) == [1.0, 0.5]
+    out = combine_step_losses([torch.tensor(6.0), torch.tensor(4.0), torch.tensor(3.0)],
+                              [3, torch.tensor(2.0), 0], [1.0, 0.5, 2.0])
+    assert out.item() == pytest.approx(6 / 3 + 0.5 * 4 / 2 + 2.0 * 3 / 1)
+    with pytest.raises(ValueError):
+        combine_step_losses([torch.tensor(1.0)], [1, 2], [1.0])
+
+
+def test_empty_valid_mask_gives_zero_but_keeps_graph():
+    draft = torch.randn(1, 5, 3, requires_grad=True)
+    st = eagle3_step_stats(draft, torch.randn(1, 5, 4), torch.zeros(1, 5, dtype=torch.bool), D2T, T2D, 0)
+    assert st["loss_sum"].item() == 0 and st["count"].item() == 0
+    st["loss_sum"].backward()
+    assert draft.grad is not None and (draft.grad == 0).all()
+
+
+def test_gradient_flows_only_to_trainable_params():
+    torch.manual_seed(0)
+    V, Vd = 80, 30
+    target = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2))
+    d2t, t2d = build_draft_vocab(torch.randint(0, 20, (V,)), Vd)
+    drafter = Eagle3Drafter.from_target(target, (2, 4, 5), d2t, t2d, num_layers=2)
+    B, T, steps = 2, 10, 3
+    ids = torch.randint(0, V, (B, T))
+    am = torch.ones(B, T, dtype=torch.long)
+    am[1, 7:] = 0
+    out = target(input_ids=ids, attention_mask=am, output_hidden_states=True)  # grad enabled on purpose
+    taps = torch.cat([out.hidden_states[j] for j in (2, 4, 5)], -1).detach()
+    logits = drafter.ttt_forward(ids, taps, am, steps)
+    stats = _stats_over_steps(logits, out.logits, am, am, d2t, t2d)
+    loss = combine_step_losses([s["loss_sum"] for s in stats], [s["count"] for s in stats], step_weights(steps))
+    assert all(s["count"] > 0 for s in stats)
+    loss.backward()
+    assert drafter.embed_tokens.weight.grad is None
+    for n, p in drafter.named_parameters():
+        if n != "embed_tokens.weight":
+            assert p.grad is not None and p.grad.abs().sum() > 0, n
+    assert all(p.grad is None for p in target.parameters())  # the teacher is a constant
+    assert not stats[0]["acc_sum"].requires_grad and not stats[0]["accept_sum"].requires_grad
