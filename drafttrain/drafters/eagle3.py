@@ -499,6 +499,10 @@ class Eagle3Drafter(nn.Module):
         return out
 
     # ------------------------------------------------------------------ training (TTT)
+    def forward(self, input_ids, taps, attention_mask, ttt_steps: int):
+        """Training forward (the TTT unroll), so DDP/DeepSpeed/FSDP wrappers see a normal ``forward``."""
+        return self.ttt_forward(input_ids, taps, attention_mask, ttt_steps)
+
     def ttt_forward(
         self,
         input_ids: torch.Tensor,
