@@ -113,3 +113,279 @@ def combine_step_losses(
         term = s * (float(w) / c)
         total = term if total is None else total + term
     return total
+
+
+# =============================================================================================== Medusa
+# Head k (0-based) reads the target's final (post-norm) hidden state at position t and predicts x_{t+2+k}
+# (head 0 = two tokens ahead; the target's own lm_head covers t+1). Valid iff t+2+k < T, attention_mask[t]
+# and attention_mask / loss_mask at t+2+k are 1.
+
+import math  # noqa: E402  (kept inside the appended section)
+
+__all__ += [
+    "medusa_valid_mask",
+    "medusa_head_stats",
+    "medusa_loss",
+    "medusa_head_weights",
+    "next_token_mask",
+    "kd_fkl",
+    "kd_rkl",
+    "kd_jsd",
+    "kd_tvd",
+    "kd_loss",
+    "ce_loss",
+    "KD_KINDS",
+]
+
+
+def medusa_valid_mask(attention_mask: torch.Tensor, loss_mask: torch.Tensor, head: int) -> torch.Tensor:
+    """``[B, T]`` bool: position t of head ``head`` is scored on token ``t+2+head``."""
+    B, T = attention_mask.shape
+    off = 2 + int(head)
+    valid = torch.zeros(B, T, dtype=torch.bool, device=attention_mask.device)
+    n = T - off
+    if n > 0:
+        valid[:, :n] = attention_mask[:, :n].bool() & attention_mask[:, off:].bool() & loss_mask[:, off:].bool()
+    return valid
+
+
+def medusa_head_stats(
+    head_logits: torch.Tensor | Sequence[torch.Tensor],
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    topk: int = 5,
+) -> list[dict[str, torch.Tensor]]:
+    """Per-head sums over valid positions (for normalising by a global count, like the EAGLE-3 loss).
+
+    Returns one dict per head: ``ce_sum`` (differentiable), ``top1_sum``, ``top5_sum`` (label within the
+    head's top-``topk``), ``count``. Only valid rows are gathered before the float32 log-softmax.
+    """
+    K = len(head_logits)
+    if K == 0:
+        raise ValueError("need at least one head")
+    B, T = input_ids.shape
+    if attention_mask.shape != (B, T) or loss_mask.shape != (B, T):
+        raise ValueError(f"mask shapes {tuple(attention_mask.shape)}, {tuple(loss_mask.shape)} != ids {(B, T)}")
+    out = []
+    for k in range(K):
+        logits = head_logits[k]
+        if logits.shape[:2] != (B, T):
+            raise ValueError(f"head {k} logits {tuple(logits.shape)} do not match input_ids {(B, T)}")
+        valid = medusa_valid_mask(attention_mask, loss_mask, k).to(logits.device)
+        off = 2 + k
+        labels = torch.zeros_like(input_ids)
+        if T > off:
+            labels[:, : T - off] = input_ids[:, off:]
+        x = logits[valid].float()                       # [N, V]
+        y = labels.to(logits.device)[valid]              # [N]
+        logp = torch.log_softmax(x, dim=-1)
+        ce_sum = -logp.gather(-1, y[:, None]).sum()
+        with torch.no_grad():
+            top = x.topk(min(int(topk), x.shape[-1]), dim=-1).indices  # [N, k]
+            top1 = (top[:, 0] == y).sum().float()
+            topn = (top == y[:, None]).any(-1).sum().float()
+        out.append({"ce_sum": ce_sum, "top1_sum": top1, "top5_sum": topn,
+                    "count": torch.tensor(float(x.shape[0]), device=x.device)})
+    return out
+
+
+def medusa_head_weights(num_heads: int, decay: float = 0.8, coefficient: float = 1.0) -> list[float]:
+    """``coefficient * decay**k`` for heads k = 0..K-1.
+
+    Medusa-1 (``train_legacy.py``) sums the heads unweighted: ``decay=1``. Medusa-2 (axolotl) weighs its
+    *i*-th logits ``0.8**i * heads_coefficient`` where i = 0 is the base LM head, so our head k is its
+    i = k+1: reproduce it exactly with ``coefficient = heads_coefficient * decay``.
+    """
+    return [float(coefficient) * float(decay) ** k for k in range(int(num_heads))]
+
+
+def medusa_loss(
+    head_logits: torch.Tensor | Sequence[torch.Tensor],
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    weights: Sequence[float],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``sum_k weights[k] * CE_k`` with ``CE_k`` the head's cross-entropy averaged over its valid tokens.
+
+    ``head_logits``: ``[K, B, T, V]`` (or a list of K ``[B, T, V]``). Stats (detached, shape ``[K]``):
+    ``ce`` (per-head mean CE), ``top1_sum``, ``top5_sum``, ``count``; accuracy = sum / count.
+    """
+    if len(weights) != len(head_logits):
+        raise ValueError(f"{len(head_logits)} heads but {len(weights)} weights")
+    per = medusa_head_stats(head_logits, input_ids, loss_mask, attention_mask)
+    loss = combine_step_losses([s["ce_sum"] for s in per], [s["count"] for s in per], weights)
+    stats = {
+        "ce": torch.stack([s["ce_sum"].detach() / s["count"].clamp_min(1.0) for s in per]),
+        "top1_sum": torch.stack([s["top1_sum"] for s in per]),
+        "top5_sum": torch.stack([s["top5_sum"] for s in per]),
+        "count": torch.stack([s["count"] for s in per]),
+    }
+    return loss, stats
+
+
+# ====================================================================================== distillation (KD)
+# Per-token divergences between the teacher p = softmax(teacher_logits / T) and the student
+# q = softmax(student_logits / T) over the vocabulary; inputs [..., V] -> output [...] (float32).
+# The teacher is always detached. No T^2 factor is applied (GKD / TRL convention).
+# Log-probabilities are floored at -1e4 so -inf logits (masked vocabulary entries) stay finite:
+# exp(-1e4) == 0 in float32, so such entries contribute exactly 0 where the other side has mass 0 too.
+
+_LOGP_FLOOR = -1.0e4
+KD_KINDS = ("fkl", "rkl", "jsd", "tvd")
+
+
+def _log_probs(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float):
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits {tuple(teacher_logits.shape)} differ"
+            " (the draft must share the target's vocabulary)"
+        )
+    t = float(temperature)
+    if not t > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    log_q = torch.log_softmax(student_logits.float() / t, dim=-1).clamp_min(_LOGP_FLOOR)
+    log_p = torch.log_softmax(teacher_logits.detach().float() / t, dim=-1).clamp_min(_LOGP_FLOOR)
+    return log_p, log_q
+
+
+def kd_fkl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Forward KL ``KL(p || q) = sum p (log p - log q)`` (mass-covering)."""
+    log_p, log_q = _log_probs(student_logits, teacher_logits, temperature)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def kd_rkl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Reverse KL ``KL(q || p) = sum q (log q - log p)`` (mode-seeking)."""
+    log_p, log_q = _log_probs(student_logits, teacher_logits, temperature)
+    return (log_q.exp() * (log_q - log_p)).sum(-1)
+
+
+def kd_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 0.5,
+           temperature: float = 1.0) -> torch.Tensor:
+    """Generalised JSD of GKD (Agarwal et al. 2024, eq. 1), as in TRL's ``generalized_jsd_loss``.
+
+    ``JSD(beta) = beta * KL(p || m) + (1 - beta) * KL(q || m)``, ``m = beta * p + (1 - beta) * q``, p the
+    teacher. For small beta it behaves like ``beta * KL(p||q)`` and near 1 like ``(1 - beta) * KL(q||p)``,
+    so, following TRL, the end points are defined as those limits' directions: ``beta = 0`` returns the
+    forward KL and ``beta = 1`` the reverse KL (the bare formula would be identically 0 there).
+    ``beta = 0.5`` is the symmetric Jensen-Shannon divergence (bounded by log 2).
+    """
+    b = float(beta)
+    if not 0.0 <= b <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if b == 0.0:
+        return kd_fkl(student_logits, teacher_logits, temperature)
+    if b == 1.0:
+        return kd_rkl(student_logits, teacher_logits, temperature)
+    log_p, log_q = _log_probs(student_logits, teacher_logits, temperature)
+    log_m = torch.logsumexp(torch.stack([log_p + math.log(b), log_q + math.log(1.0 - b)]), dim=0)
+    kl_pm = (log_p.exp() * (log_p - log_m)).sum(-1)
+    kl_qm = (log_q.exp() * (log_q - log_m)).sum(-1)
+    return b * kl_pm + (1.0 - b) * kl_qm
+
+
+def kd_tvd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Total variation ``0.5 * sum |p - q| = 1 - sum min(p, q)`` = 1 - the speculative acceptance
+    probability of a draft token sampled from q against target p (Leviathan et al. 2023)."""
+    log_p, log_q = _log_probs(student_logits, teacher_logits, temperature)
+    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+
+
+def _kd_one(kind: str, student: torch.Tensor, teacher: torch.Tensor, beta: float, temperature: float) -> torch.Tensor:
+    if kind == "fkl":
+        return kd_fkl(student, teacher, temperature)
+    if kind == "rkl":
+        return kd_rkl(student, teacher, temperature)
+    if kind == "jsd":
+        return kd_jsd(student, teacher, beta, temperature)
+    if kind == "tvd":
+        return kd_tvd(student, teacher, temperature)
+    raise ValueError(f"unknown KD divergence {kind!r}; expected one of {KD_KINDS}")
+
+
+def next_token_mask(attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: the logits at position t (which predict x_{t+1}) are scored iff t+1 < T,
+    ``attention_mask[t]`` and ``attention_mask`` / ``loss_mask`` at t+1 are 1."""
+    B, T = attention_mask.shape
+    valid = torch.zeros(B, T, dtype=torch.bool, device=attention_mask.device)
+    if T > 1:
+        valid[:, :-1] = attention_mask[:, :-1].bool() & attention_mask[:, 1:].bool() & loss_mask[:, 1:].bool()
+    return valid
+
+
+def kd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str | dict[str, float] = "fkl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean over the positions where ``mask`` is true of a divergence (or a weighted mix of them).
+
+    Args:
+        student_logits, teacher_logits: ``[B, T, V]`` (same positions; use :func:`next_token_mask` for the
+            usual "logits at t are scored if x_{t+1} is an assistant token" mask).
+        mask: ``[B, T]`` bool.
+        kind: one of ``fkl``, ``rkl``, ``jsd``, ``tvd``, or ``{kind: weight}`` (loss = sum weight * mean).
+    Returns:
+        ``(loss, stats)``; stats (detached): ``loss_sum`` (differentiable; the weighted per-token sum, for
+        normalising by a global token count), ``count``, the mean of each divergence used (``fkl``, ...),
+        ``accept_sum`` (sum over tokens of ``sum_x min(p, q)`` at temperature 1) and ``top1_sum``
+        (student argmax == teacher argmax: the greedy acceptance).
+    """
+    mix = {kind: 1.0} if isinstance(kind, str) else {str(k): float(w) for k, w in dict(kind).items()}
+    if not mix:
+        raise ValueError("kind must name at least one divergence")
+    for k in mix:
+        if k not in KD_KINDS:
+            raise ValueError(f"unknown KD divergence {k!r}; expected one of {KD_KINDS}")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits {tuple(teacher_logits.shape)} differ"
+        )
+    if mask.shape != student_logits.shape[:-1]:
+        raise ValueError(f"mask {tuple(mask.shape)} does not match logits {tuple(student_logits.shape)}")
+    mask = mask.bool().to(student_logits.device)
+    s = student_logits[mask]
+    t = teacher_logits.detach().to(student_logits.device)[mask]
+    count = torch.tensor(float(s.shape[0]), device=s.device)
+    stats: dict[str, torch.Tensor] = {}
+    loss_sum = None
+    for k, w in mix.items():
+        d = _kd_one(k, s, t, beta, temperature).sum()
+        stats[k] = d.detach() / count.clamp_min(1.0)
+        loss_sum = d * w if loss_sum is None else loss_sum + d * w
+    loss = loss_sum / count.clamp_min(1.0)
+    with torch.no_grad():
+        p, q = torch.softmax(t.float(), -1), torch.softmax(s.detach().float(), -1)
+        stats["accept_sum"] = torch.minimum(p, q).sum()
+        stats["top1_sum"] = (s.detach().argmax(-1) == t.argmax(-1)).sum().float()
+    stats["loss_sum"] = loss_sum
+    stats["count"] = count
+    return loss, stats
+
+
+def ce_loss(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Plain next-token cross-entropy on the data (the KD baseline), averaged over the positions of
+    :func:`next_token_mask`. Stats: ``loss_sum`` (differentiable), ``count``, ``top1_sum``."""
+    B, T = input_ids.shape
+    if logits.shape[:2] != (B, T):
+        raise ValueError(f"logits {tuple(logits.shape)} do not match input_ids {(B, T)}")
+    valid = next_token_mask(attention_mask, loss_mask).to(logits.device)
+    labels = torch.zeros_like(input_ids)
+    labels[:, :-1] = input_ids[:, 1:]
+    x = logits[valid].float()
+    y = labels.to(logits.device)[valid]
+    loss_sum = -torch.log_softmax(x, -1).gather(-1, y[:, None]).sum()
+    count = torch.tensor(float(x.shape[0]), device=x.device)
+    with torch.no_grad():
+        top1 = (x.argmax(-1) == y).sum().float()
+    return loss_sum / count.clamp_min(1.0), {"loss_sum": loss_sum, "count": count, "top1_sum": top1}
