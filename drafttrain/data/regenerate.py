@@ -1,0 +1,466 @@
+"""Rewrite every assistant turn of a chat dataset with the target's own output (``drafttrain regenerate``).
+
+A drafter must predict what the *target* generates, not what some other model wrote, so training data is
+self-distilled: each assistant turn is replaced by the target's answer given the preceding (already
+regenerated) turns.
+
+Batching: conversations are cut into fixed chunks of ``batch_size`` consecutive rows; within a chunk, turn r of
+every conversation is generated in one left-padded ``model.generate`` call (r = 0, 1, ...). Chunks depend only
+on the input, never on what is already done, so a resumed run does exactly the same computations (and with
+``temperature > 0`` draws the same samples: the RNG is reseeded per chunk from ``seed``) as an uninterrupted one.
+
+Output (JSONL, OpenAI shape): ``{"id": <row id, or its line number>, "messages": [...]}`` per row, in input
+order, appended and flushed one row at a time. A row the target cannot answer (empty answer to its first
+assistant turn, or a prompt that does not fit the model's positions) is written as
+``{"id": ..., "messages": [...], "dropped": "<why>"}`` so that resume knows it is done;
+:func:`drafttrain.data.chat.read_conversations` skips such rows. An empty answer to a later turn ends the
+conversation before that turn. Settings are recorded next to the output in ``<out>.meta.json``; resuming with
+different generation settings is refused.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..io import DraftTrainError, read_json, write_json
+from .chat import Conversation, prompt_ids, read_conversations
+
+__all__ = ["regenerate_conversations", "regenerate_file", "regenerate_to_jsonl", "eos_token_ids"]
+
+META_SUFFIX = ".meta.json"
+_CHECKED_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "model")
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Stop tokens: the model's generation_config eos (int or list) plus the tokenizer's eos."""
+    ids: list[int] = []
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+    for e in [eos] if isinstance(eos, int) else list(eos or []):
+        if e is not None and int(e) not in ids:
+            ids.append(int(e))
+    if tokenizer.eos_token_id is not None and int(tokenizer.eos_token_id) not in ids:
+        ids.append(int(tokenizer.eos_token_id))
+    if not ids:
+        raise DraftTrainError(
+            "the target has no eos token (neither tokenizer.eos_token nor generation_config.eos_token_id); "
+            "generation would never stop"
+        )
+    return ids
+
+
+def _pad_id(tokenizer, eos_ids: list[int]) -> int:
+    return int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos_ids[0]
+
+
+def _generation_config(model, max_new_tokens: int, temperature: float, top_p: float, pad_id: int, eos_ids):
+    from transformers import GenerationConfig
+
+    base = getattr(model, "generation_config", None)
+    gc = copy.deepcopy(base) if base is not None else GenerationConfig()
+    sample = temperature > 0
+    gc.update(
+        max_new_tokens=int(max_new_tokens),
+        min_new_tokens=None,
+        max_length=None,
+        do_sample=sample,
+        temperature=float(temperature) if sample else None,
+        top_p=float(top_p) if sample else None,
+        top_k=None,
+        num_beams=1,
+        num_return_sequences=1,
+        repetition_penalty=None,
+        pad_token_id=pad_id,
+        eos_token_id=list(eos_ids),
+        use_cache=True,
+    )
+    return gc
+
+
+def _max_positions(model) -> int | None:
+    cfg = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _model_device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device):
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _validate_settings(batch_size, max_new_tokens, temperature, top_p):
+    if int(batch_size) < 1:
+        raise DraftTrainError(f"batch_size={batch_size}: must be >= 1")
+    if int(max_new_tokens) < 1:
+        raise DraftTrainError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    if temperature < 0:
+        raise DraftTrainError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise DraftTrainError(f"top_p={top_p}: must be in (0, 1]")
+
+
+def _generate_batch(model, tokenizer, prompts: list[list[int]], gc, eos_ids, pad_id) -> list[tuple[str, int, bool]]:
+    """Left-padded batched generation; per prompt (text without eos, new tokens incl. eos, stopped at eos)."""
+    device = _model_device(model)
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), L), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attn[b, L - len(p) :] = 1
+    with torch.no_grad():
+        out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), generation_config=gc)
+    if hasattr(out, "sequences"):
+        out = out.sequences
+    new = out[:, L:].tolist()
+    eos = set(eos_ids)
+    results = []
+    for row in new:
+        stop = next((j for j, t in enumerate(row) if t in eos), None)
+        toks = row if stop is None else row[:stop]
+        text = tokenizer.decode(toks, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        results.append((text, len(toks) + (stop is not None), stop is not None))
+    return results
+
+
+def _stop(state: dict, why: str) -> None:
+    """End a conversation: after its last regenerated assistant turn, or drop it if it has none."""
+    state["pending"] = []
+    msgs = state["messages"]
+    last = max((j for j, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+    if last is None:
+        state["dropped"] = why
+    else:
+        del msgs[last + 1 :]
+
+
+def _finish(conv: Conversation, state: dict) -> dict:
+    row = {"id": conv.row_id, "messages": state["messages"]}
+    if state["dropped"] is not None:
+        row["dropped"] = state["dropped"]
+    return row
+
+
+def regenerate_conversations(
+    model,
+    tokenizer,
+    convs: Sequence[Conversation | Sequence[dict]],
+    batch_size: int = 16,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    progress: bool = True,
+    skip: Callable[[int], bool] | None = None,
+    on_row: Callable[[int, dict], None] | None = None,
+) -> tuple[list[dict], dict[str, Any]]:
+    """Regenerate the assistant turns of ``convs`` in memory.
+
+    Returns ``(rows, stats)``: one output row per conversation not skipped (``skip(index)`` true = already done),
+    in input order, each ``{"id", "messages"}`` (plus ``"dropped": why`` when the target could not answer);
+    ``on_row(index, row)`` is called as soon as a row is final, in input order. Stats: rows, dropped, turns,
+    unfinished_turns (stopped by max_new_tokens, not eos), new_tokens, seconds.
+    """
+    _validate_settings(batch_size, max_new_tokens, temperature, top_p)
+    convs = [
+        c if isinstance(c, Conversation) else Conversation(messages=list(c), line=i + 1) for i, c in enumerate(convs)
+    ]
+    todo = {i for i in range(len(convs)) if not (skip is not None and skip(i))}
+    stats: dict[str, Any] = {"rows": 0, "dropped": 0, "turns": 0, "unfinished_turns": 0, "new_tokens": 0}
+    if not todo:
+        stats["seconds"] = 0.0
+        return [], stats
+    if model is None:
+        raise DraftTrainError(f"{len(todo)} conversations need regenerating but no target model was given")
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = _pad_id(tokenizer, eos_ids)
+    gc = _generation_config(model, max_new_tokens, temperature, top_p, pad_id, eos_ids)
+    max_pos = _max_positions(model)
+    device = _model_device(model)
+    rows: list[dict] = []
+    t0 = time.time()
+    was_training = bool(getattr(model, "training", False))
+    model.eval()
+    bar = None
+    if progress and todo:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo), desc="regenerate", unit="conv", mininterval=2.0)
+    try:
+        for start in range(0, len(convs), batch_size):
+            chunk = list(range(start, min(start + batch_size, len(convs))))
+            if not todo.intersection(chunk):
+                continue
+            # The whole chunk is generated even if part of it is done: same batches as an uninterrupted run.
+            state = {i: {"messages": [], "dropped": None, "pending": list(convs[i].messages)} for i in chunk}
+            with _seeded(seed * 1_000_003 + start, device):
+                while True:
+                    ask = []
+                    for i in chunk:
+                        s = state[i]
+                        while s["pending"] and s["pending"][0]["role"] != "assistant":
+                            s["messages"].append(dict(s["pending"].pop(0)))
+                        if s["pending"]:
+                            ask.append(i)
+                    if not ask:
+                        break
+                    prompts, asked = [], []
+                    for i in ask:
+                        p = prompt_ids(tokenizer, state[i]["messages"])
+                        if max_pos is not None and len(p) + max_new_tokens > max_pos:
+                            _stop(
+                                state[i],
+                                f"prompt is {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
+                                f"model's {max_pos} positions",
+                            )
+                        else:
+                            prompts.append(p)
+                            asked.append(i)
+                    if not asked:
+                        continue
+                    answers = _generate_batch(model, tokenizer, prompts, gc, eos_ids, pad_id)
+                    for i, (text, n_new, finished) in zip(asked, answers):
+                        s = state[i]
+                        s["pending"].pop(0)
+                        if i in todo:
+                            stats["turns"] += 1
+                            stats["new_tokens"] += n_new
+                            stats["unfinished_turns"] += not finished
+                        if text.strip():
+                            s["messages"].append({"role": "assistant", "content": text})
+                        else:
+                            _stop(s, "the target's answer is empty")
+            for i in chunk:
+                if i not in todo:
+                    continue
+                row = _finish(convs[i], state[i])
+                stats["rows"] += 1
+                stats["dropped"] += "dropped" in row
+                rows.append(row)
+                if on_row is not None:
+                    on_row(i, row)
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        if was_training:
+            model.train()
+    stats["seconds"] = round(time.time() - t0, 2)
+    return rows, stats
+
+
+# ------------------------------------------------------------------------------------------ resumable output
+
+
+def _row_key(rid: Any) -> str:
+    return json.dumps(rid)
+
+
+def _recover_output(out_path: Path) -> list[str]:
+    """Keys of the rows already in ``out_path``; a torn last line (crash mid-write) is truncated away first."""
+    if not out_path.exists():
+        return []
+    data = out_path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1  # 0 when the only line is torn
+        with open(out_path, "r+b") as f:
+            f.truncate(cut)
+            f.flush()
+            os.fsync(f.fileno())
+        data = data[:cut]
+    keys = []
+    for lineno, line in enumerate(data.split(b"\n")[:-1] if data else [], start=1):
+        where = f"{out_path}:{lineno}"
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DraftTrainError(
+                f"{where}: not a regenerate output row ({e}); refusing to append — delete the file or pick another "
+                "output path"
+            ) from None
+        if not isinstance(row, dict) or "id" not in row or "messages" not in row:
+            raise DraftTrainError(
+                f'{where}: not a regenerate output row (needs "id" and "messages"); refusing to append — delete the '
+                "file or pick another output path"
+            )
+        keys.append((_row_key(row["id"]), where))
+    return keys
+
+
+def _settings(model, max_new_tokens, temperature, top_p, seed, batch_size) -> dict:
+    cfg = getattr(model, "config", None)
+    return {
+        "model": None if model is None else str(getattr(cfg, "_name_or_path", "") or getattr(model, "name_or_path", "")),
+        "max_new_tokens": int(max_new_tokens),
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "seed": int(seed),
+        "batch_size": int(batch_size),
+    }
+
+
+def _check_meta(meta_path: Path, settings: dict, has_rows: bool) -> None:
+    if not meta_path.exists():
+        return
+    old = read_json(meta_path)
+    diffs = [
+        f"{k}: {old.get(k)!r} -> {settings[k]!r}"
+        for k in _CHECKED_SETTINGS
+        if isinstance(old, dict) and k in old and settings[k] is not None and old.get(k) != settings[k]
+    ]
+    if diffs and has_rows:
+        raise DraftTrainError(
+            f"{meta_path}: the existing output was generated with other settings ({'; '.join(diffs)}); "
+            "resuming would mix them — use the same settings, or delete the output to start over"
+        )
+
+
+@contextlib.contextmanager
+def _exclusive(out_path: Path, wait: bool):
+    """An exclusive lock on the output (one writer at a time)."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "ab") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise DraftTrainError(f"{out_path}: another process is writing it (locked)") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def regenerate_to_jsonl(
+    model,
+    tokenizer,
+    convs: Sequence[Conversation],
+    out_path: str | os.PathLike,
+    batch_size: int = 16,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    progress: bool = True,
+    wait_for_lock: bool = False,
+) -> dict[str, Any]:
+    """Regenerate ``convs`` into ``out_path`` (append-only, resumable). Stats as regenerate_conversations plus
+    ``already_done`` (rows found in the output) and ``total``."""
+    _validate_settings(batch_size, max_new_tokens, temperature, top_p)
+    out_path = Path(out_path)
+    convs = [
+        c if isinstance(c, Conversation) else Conversation(messages=list(c), line=i + 1) for i, c in enumerate(convs)
+    ]
+    index: dict[str, int] = {}
+    for i, c in enumerate(convs):
+        k = _row_key(c.row_id)
+        if c.row_id is None:
+            raise DraftTrainError(f"{c.where}: conversation has no id and no line number; cannot resume by id")
+        if k in index:
+            raise DraftTrainError(f"{c.where}: duplicate id {c.row_id!r} (also {convs[index[k]].where})")
+        index[k] = i
+    settings = _settings(model, max_new_tokens, temperature, top_p, seed, batch_size)
+    meta_path = out_path.with_name(out_path.name + META_SUFFIX)
+    with _exclusive(out_path, wait_for_lock):
+        done_keys = _recover_output(out_path)
+        for k, where in done_keys:
+            if k not in index:
+                raise DraftTrainError(
+                    f"{where}: row id {json.loads(k)!r} is not in the input; the output belongs to another dataset — "
+                    "delete it or pick another output path"
+                )
+        done = {index[k] for k, _ in done_keys}
+        _check_meta(meta_path, settings, bool(done))
+        if len(done) < len(convs):
+            if model is None:
+                raise DraftTrainError(
+                    f"{out_path}: {len(convs) - len(done)} of {len(convs)} rows still need regenerating, but no "
+                    "target model was given"
+                )
+            write_json(meta_path, settings)
+        with open(out_path, "a", encoding="utf-8") as f:
+
+            def on_row(i: int, row: dict) -> None:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.flush()
+
+            _, stats = regenerate_conversations(
+                model,
+                tokenizer,
+                convs,
+                batch_size=batch_size,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                progress=progress,
+                skip=done.__contains__,
+                on_row=on_row,
+            )
+            os.fsync(f.fileno())
+    stats["already_done"] = len(done)
+    stats["total"] = len(convs)
+    return stats
+
+
+def regenerate_file(
+    model,
+    tokenizer,
+    in_path: str | os.PathLike,
+    out_path: str | os.PathLike,
+    batch_size: int = 16,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    progress: bool = True,
+    skip_invalid: bool = False,
+) -> dict[str, Any]:
+    """Regenerate the assistant turns of the JSONL file ``in_path`` into ``out_path`` (resumable).
+
+    Rows keep their ``id`` (their line number if they have none). On rerun, rows already in ``out_path`` are
+    skipped; a torn last line is removed first. ``in_path`` is only read.
+    """
+    in_path, out_path = Path(in_path), Path(out_path)
+    if out_path.resolve() == in_path.resolve() or (
+        out_path.exists() and in_path.exists() and os.path.samefile(in_path, out_path)
+    ):
+        raise DraftTrainError(f"{out_path}: output is the input file; refusing to overwrite the input")
+    convs = read_conversations(in_path, skip_invalid=skip_invalid)
+    stats = regenerate_to_jsonl(
+        model,
+        tokenizer,
+        convs,
+        out_path,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        progress=progress,
+    )
+    stats["invalid_skipped"] = len(convs.skipped)
+    return stats
