@@ -1,0 +1,100 @@
+"""End to end: `train.py recipe=eagle3` on a tiny built-in target -> report.json, resume, eval, 2 processes."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from .conftest import REPO, TINY_BUILTIN_OVERRIDES
+
+SMALL = [
+    *TINY_BUILTIN_OVERRIDES,
+    "data.num_train=48", "data.regen_max_new_tokens=48", "data.num_eval=3", "data.max_length=160",
+    "train.batch_size=4", "train.micro_batch_size=2", "train.lr=3e-3", "train.warmup_steps=2",
+    "eagle3.ttt_steps=3", "decode.max_new_tokens=24", "decode.num_prompts=3", "decode.num_draft_tokens=3",
+    "logger=none",
+]
+REPORT_KEYS = ["method", "target", "drafter", "prompts", "new_tokens", "num_draft_tokens", "temperature", "alpha",
+               "acceptance_per_position", "tau", "tokens_per_s", "baseline_tokens_per_s", "speedup",
+               "outputs_match_baseline", "train_estimated_tau"]
+
+
+def _run(args, cwd, timeout=600, launcher=None):
+    cmd = (launcher or [sys.executable]) + args
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    assert r.returncode == 0, f"{' '.join(cmd)}\nSTDOUT:\n{r.stdout[-3000:]}\nSTDERR:\n{r.stderr[-5000:]}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, tiny_builtin_target):
+    run = tmp_path_factory.mktemp("run") / "eagle3"
+    _run([str(REPO / "train.py"), "recipe=eagle3", *SMALL, "train.max_steps=6", "train.save_every=3",
+          "train.keep_checkpoints=5", f"hydra.run.dir={run}"], cwd=REPO)
+    return run
+
+
+def test_train_writes_report_and_drafter(trained_run):
+    report = json.loads((trained_run / "report.json").read_text())
+    for k in REPORT_KEYS:
+        assert k in report, k
+    assert report["method"] == "eagle3" and report["prompts"] == 3
+    assert report["outputs_match_baseline"] is True
+    assert report["tau"] >= 1.0 and len(report["acceptance_per_position"]) == 3
+    assert (trained_run / "acceptance.png").stat().st_size > 1000
+    hist = json.loads((trained_run / "train_metrics.json").read_text())["history"]
+    assert [h["step"] for h in hist] == list(range(1, 7))
+    assert all("acc_0" in h and "accept_2" in h for h in hist)
+    from drafttrain.drafters.eagle3 import Eagle3Drafter
+
+    d = Eagle3Drafter.from_pretrained(trained_run / "final")
+    assert d.config.tap_layers == [2, 4, 5]
+    assert (trained_run / ".hydra" / "config.yaml").exists()
+
+
+def test_resume_gives_identical_weights(trained_run, tmp_path):
+    """Rebuild the state a crash after step 3 leaves (its checkpoint only) and resume to step 6."""
+    run2 = tmp_path / "resumed"
+    (run2 / "checkpoints").mkdir(parents=True)
+    shutil.copytree(trained_run / "checkpoints" / "step_00000003", run2 / "checkpoints" / "step_00000003")
+    _run([str(REPO / "train.py"), "recipe=eagle3", *SMALL, "train.max_steps=6", "train.save_every=3",
+          "train.resume=auto", "train.eval=false", f"hydra.run.dir={run2}"], cwd=REPO)
+    a = load_file(trained_run / "final" / "model.safetensors")
+    b = load_file(run2 / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    h1 = json.loads((trained_run / "train_metrics.json").read_text())["history"]
+    h2 = json.loads((run2 / "train_metrics.json").read_text())["history"]
+    assert [h["loss"] for h in h1[3:]] == [h["loss"] for h in h2]
+
+
+def test_eval_command_reloads_the_drafter(trained_run, tmp_path):
+    out = tmp_path / "ev"
+    _run(["-m", "drafttrain.cli", "eval", f"drafter={trained_run / 'final'}", *TINY_BUILTIN_OVERRIDES,
+          "data.num_eval=3", "decode.num_prompts=3", "decode.max_new_tokens=24", "decode.num_draft_tokens=3",
+          f"hydra.run.dir={out}"], cwd=tmp_path)
+    r1 = json.loads((trained_run / "report.json").read_text())
+    r2 = json.loads((out / "report.json").read_text())
+    assert r2["outputs_match_baseline"] is True
+    assert r2["tau"] == pytest.approx(r1["tau"]) and r2["alpha"] == pytest.approx(r1["alpha"])
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(trained_run, tmp_path):
+    run2 = tmp_path / "ddp"
+    _run(["--config_file", str(REPO / "conf/accelerate/ddp_cpu.yaml"), str(REPO / "train.py"), "recipe=eagle3",
+          *SMALL, "train.max_steps=6", "train.eval=false", f"hydra.run.dir={run2}"], cwd=REPO,
+         launcher=[sys.executable, "-m", "accelerate.commands.launch"])
+    h1 = json.loads((trained_run / "train_metrics.json").read_text())["history"]
+    h2 = json.loads((run2 / "train_metrics.json").read_text())["history"]
+    assert len(h1) == len(h2) == 6
+    for a, b in zip(h1, h2):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-4)
+        assert b["valid_tokens_0"] == a["valid_tokens_0"]
