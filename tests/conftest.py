@@ -15,8 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parent.parent
 
 # A tiny built-in target (same code path as the real one, a few training steps on a few files).
-TINY_BUILTIN = {"steps": 10, "max_files": 20, "seq_len": 128, "batch_size": 8, "hidden_size": 64,
-                "intermediate_size": 128, "vocab_size": 512}
+TINY_BUILTIN = {"steps": 10, "max_files": 20}
 TINY_BUILTIN_OVERRIDES = [f"target.builtin.{k}={v}" for k, v in TINY_BUILTIN.items()]
 
 

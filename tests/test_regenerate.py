@@ -20,18 +20,12 @@ MAX_NEW = 10
 
 
 @pytest.fixture(scope="session")
-def target():
-    """The tiny built-in target. Cached in a temp dir shared between test sessions (keyed by its spec, built
-    under a lock), so only the first session pays the ~30 s build."""
+def target(tiny_builtin_target):
+    """The tiny built-in target shared by the whole session (tests/conftest.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cache = os.environ.get("DRAFTTRAIN_TEST_CACHE") or os.path.join(tempfile.gettempdir(), "drafttrain-test-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DRAFTTRAIN_CACHE", cache)
-        mp.delenv("DRAFTTRAIN_BUILTIN_TARGET", raising=False)
-        path = ensure_builtin_target(BuiltinSpec(steps=10, max_files=20), quiet=True)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    tok = AutoTokenizer.from_pretrained(str(tiny_builtin_target))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_builtin_target)).eval()
     return model, tok
 
 
