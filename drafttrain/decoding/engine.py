@@ -1,0 +1,245 @@
+"""SpecDecoder: chain speculative decoding (prefill / propose / verify / accept) plus its statistics.
+
+Per sequence: the target prefills the prompt and produces the first new token (the *pending* token: it
+is committed but not yet in the target's cache). Each round the proposer drafts d_1..d_k, the target runs
+once on [pending, d_1..d_k], verification accepts d_1..d_a and yields one more target token b; the target
+cache is rolled back by index to hold everything committed but b, which becomes the new pending token.
+Autoregressive decoding is the same loop with ``NoDraft`` and K = 0 (one target forward per token).
+
+Statistics: a *round* is one target verify forward after the prefill; tau = mean over rounds of the
+tokens the round committed (a + 1, less only when the round was cut by eos). The prefill's token is not
+counted, so AR has tau = 1 exactly and a proposer that is always right has tau = K + 1.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from .proposers import Proposer
+from .sampling import SamplingParams, sample, verify_chain_greedy, verify_chain_sampling
+from .target import TargetRunner, _sync
+
+
+@dataclass
+class GenerationResult:
+    """Output and statistics of one ``SpecDecoder.generate`` call.
+
+    ``*_per_position`` lists have length K; position i is the i-th draft token of a round. A draft
+    position is *reached* in a round when all earlier drafts of that round were accepted, so
+    ``accepted_per_position[i] / reached_per_position[i]`` estimates P(position i accepted | reached).
+    """
+
+    tokens: list[int]  # new tokens only; ends at eos (inclusive) or after max_new_tokens
+    num_rounds: int = 0  # target verify forwards after the prefill
+    num_round_tokens: int = 0  # tokens committed by rounds (all new tokens but the prefill's)
+    num_drafted: int = 0
+    num_accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    reached_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    time_total: float = 0.0
+    time_target: float = 0.0
+    time_draft: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per round (1 for AR)."""
+        return self.num_round_tokens / self.num_rounds if self.num_rounds else float("nan")
+
+
+class SpecDecoder:
+    """Chain speculative decoder around a ``TargetRunner`` and a ``Proposer`` (batch size 1).
+
+    Args:
+        target: the target runner (its ``taps`` must be set when the proposer needs features).
+        proposer: the draft proposer (``NoDraft`` with ``num_draft_tokens=0`` for AR).
+        num_draft_tokens: K, the most drafts per round.
+        temperature, top_k, top_p: the target's sampling; temperature 0 is greedy. Speculative output
+            is distributed exactly as the target's processed distribution (identical to AR when greedy).
+        seed: seeds the decoder's ``torch.Generator`` (drafts and verification share it).
+    """
+
+    def __init__(
+        self,
+        target: TargetRunner,
+        proposer: Proposer,
+        num_draft_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ):
+        if num_draft_tokens < 0:
+            raise ValueError("num_draft_tokens must be >= 0")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        self.target = target
+        self.proposer = proposer
+        self.K = int(num_draft_tokens)
+        self.generator = torch.Generator(device=target.device)
+        self.generator.manual_seed(seed)
+        self.sampling = SamplingParams(float(temperature), int(top_k), float(top_p), self.generator)
+
+    def _timed(self, fn, *args):
+        _sync(self.target.device)
+        t0 = time.perf_counter()
+        out = fn(*args)
+        _sync(self.target.device)
+        self._time_draft += time.perf_counter() - t0
+        return out
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        eos_token_id: int | Iterable[int] | None = None,
+        seed: int | None = None,
+    ) -> GenerationResult:
+        """Decode up to ``max_new_tokens`` new tokens after ``prompt_ids`` (stops after an eos token).
+
+        ``seed`` re-seeds the generator first; without it the generator's stream continues from the
+        previous call.
+        """
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        if eos_token_id is None:
+            eos = set()
+        elif isinstance(eos_token_id, int):
+            eos = {eos_token_id}
+        else:
+            eos = {int(t) for t in eos_token_id}
+        K, sp, target, proposer = self.K, self.sampling, self.target, self.proposer
+        res = GenerationResult(
+            tokens=[], drafted_per_position=[0] * K, reached_per_position=[0] * K, accepted_per_position=[0] * K
+        )
+        prompt = [int(t) for t in prompt_ids]
+        if max_new_tokens <= 0:
+            return res
+        if not prompt:
+            raise ValueError("empty prompt")
+        t_start = time.perf_counter()
+        t_target0 = target.time_forward
+        self._time_draft = 0.0
+
+        # prefill: the target reads the prompt and produces the first (pending) token
+        target.reset()
+        self._timed(proposer.reset)
+        logits, taps = target.forward(prompt, last_only=True)
+        last = logits[-1]
+        first = int(last.argmax()) if sp.greedy else int(sample(sp.process(last), self.generator))
+        tokens = prompt + [first]
+        new = res.tokens
+        new.append(first)
+        done = first in eos
+        if not done and max_new_tokens > 1:
+            self._timed(proposer.prefill, prompt, taps, first)
+
+        while not done and len(new) < max_new_tokens:
+            room = target.max_len - target.length - 1  # positions left after the pending token
+            if room < 0:
+                break
+            k = min(K, max_new_tokens - len(new) - 1, room)  # a round commits at most k + 1 tokens
+            drafts, q = self._timed(proposer.propose, tokens, k, sp) if k > 0 else ([], None)
+            drafts = [int(t) for t in drafts[:k]]
+            n = len(drafts)
+            logits, taps = target.forward([tokens[-1]] + drafts)  # [n+1, V]
+            if sp.greedy:
+                a, b = verify_chain_greedy(drafts, logits)
+            else:
+                p = sp.process(logits)
+                V = p.shape[-1]
+                if q is None:  # deterministic drafts: q is one-hot
+                    d = torch.tensor(drafts, dtype=torch.long, device=p.device)
+                    q = torch.nn.functional.one_hot(d, V).float()
+                elif q.dim() != 2 or q.shape[0] < n or q.shape[1] != V:
+                    raise ValueError(f"proposer {proposer.name!r} returned q {tuple(q.shape)}, expected ({n}, {V})")
+                a, b = verify_chain_sampling(drafts, q[:n], p, self.generator)
+            target.truncate(len(tokens) + a)  # keep x_0..x_{n-1} (incl. the old pending) and d_1..d_a
+
+            res.num_rounds += 1
+            res.num_drafted += n
+            res.num_accepted += a
+            for i in range(n):
+                res.drafted_per_position[i] += 1
+            for i in range(min(a + 1, n)):
+                res.reached_per_position[i] += 1
+            for i in range(a):
+                res.accepted_per_position[i] += 1
+
+            committed = drafts[:a] + [b]
+            tokens.extend(committed)
+            for tok in committed:
+                new.append(tok)
+                res.num_round_tokens += 1
+                if tok in eos:
+                    done = True
+                    break
+            if not done and len(new) < max_new_tokens:
+                self._timed(proposer.accept, tokens, a, None if taps is None else taps[: a + 1])
+
+        res.time_total = time.perf_counter() - t_start
+        res.time_target = target.time_forward - t_target0
+        res.time_draft = self._time_draft
+        return res
+
+
+def aggregate(results: Sequence[GenerationResult]) -> dict:
+    """Pool the statistics of several generations.
+
+    Returns a dict with ``alpha`` (accepted / drafted), ``acceptance_per_position`` (list: P(position i
+    accepted | reached), None where never reached), ``tau`` (round tokens / rounds), ``tokens_per_s``
+    (new tokens / total time), the time split (``time_total``, ``time_target``, ``time_draft``,
+    ``time_other`` and the ``frac_*`` of the total) and the raw counts.
+    """
+
+    def ratio(x, y):
+        return x / y if y else None
+
+    K = max((len(r.drafted_per_position) for r in results), default=0)
+
+    def pos_sum(attr):
+        out = [0] * K
+        for r in results:
+            for i, v in enumerate(getattr(r, attr)):
+                out[i] += v
+        return out
+
+    drafted_pp = pos_sum("drafted_per_position")
+    reached_pp = pos_sum("reached_per_position")
+    accepted_pp = pos_sum("accepted_per_position")
+    num_new = sum(len(r.tokens) for r in results)
+    rounds = sum(r.num_rounds for r in results)
+    drafted = sum(r.num_drafted for r in results)
+    accepted = sum(r.num_accepted for r in results)
+    t_total = sum(r.time_total for r in results)
+    t_target = sum(r.time_target for r in results)
+    t_draft = sum(r.time_draft for r in results)
+    t_other = max(t_total - t_target - t_draft, 0.0)
+    return {
+        "num_sequences": len(results),
+        "num_new_tokens": num_new,
+        "num_rounds": rounds,
+        "num_drafted": drafted,
+        "num_accepted": accepted,
+        "alpha": ratio(accepted, drafted),
+        "acceptance_per_position": [ratio(a, r) for a, r in zip(accepted_pp, reached_pp)],
+        "accepted_per_position": accepted_pp,
+        "reached_per_position": reached_pp,
+        "drafted_per_position": drafted_pp,
+        "tau": ratio(sum(r.num_round_tokens for r in results), rounds),
+        "tokens_per_s": ratio(num_new, t_total),
+        "time_total": t_total,
+        "time_target": t_target,
+        "time_draft": t_draft,
+        "time_other": t_other,
+        "frac_target": ratio(t_target, t_total),
+        "frac_draft": ratio(t_draft, t_total),
+        "frac_other": ratio(t_other, t_total),
+    }
+
+
+__all__ = ["GenerationResult", "SpecDecoder", "aggregate"]
