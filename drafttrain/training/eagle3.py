@@ -48,6 +48,13 @@ class Eagle3Method:
             target_model, self.taps, d2t, t2d, num_layers=self.cfg.num_layers, target_name_or_path=target_name
         )
 
+    def describe(self, drafter) -> str:
+        return (f"taps {list(self.taps)}, draft vocab {drafter.d2t.numel()} "
+                f"(covers {self.vocab_coverage:.1%} of assistant tokens)")
+
+    def param_groups(self, drafter, lr: float) -> list[dict]:
+        return [{"params": list(drafter.trainable_parameters()), "lr": lr}]
+
     @torch.no_grad()
     def capture(self, target_model, batch) -> Capture:
         out = target_model(

@@ -2,6 +2,18 @@
 
 Reads top to bottom: set up -> load target -> data -> drafter -> optimizer/schedule -> resume -> steps
 (capture, global valid counts, loss, backward, clip, step) -> checkpoints -> final save -> evaluation.
+
+The loop is method-agnostic. A *method* (training/eagle3.py, …) is an object with:
+  build_drafter(target_model, examples, target_name) -> nn.Module  (forward = training forward;
+                                                        trainable_parameters(); save_pretrained(dir))
+  describe(drafter) -> str                            one line for the log
+  param_groups(drafter, lr) -> list[dict]             optimizer groups (e.g. a head lr multiplier)
+  capture(target_model, batch) -> object              online capture: target forward under no_grad
+  count_valid(drafter, batch, cap) -> Tensor[n]       valid positions per loss term (summed over the
+                                                        global batch before the loss is normalised)
+  loss(model, drafter, batch, cap, counts, scale) -> (loss, dict of per-term sums)
+  summarize(sums) -> dict with "loss"                 means from the globally reduced sums
+  estimated_tau(summary, k) -> float | None           τ implied by training metrics
 """
 from __future__ import annotations
 
@@ -129,11 +141,10 @@ def run_train(cfg) -> dict | None:
     method = make_method(job, tokenizer, model)
     drafter = method.build_drafter(model, examples, tname).to(accelerator.device)
     n_train = sum(p.numel() for p in drafter.trainable_parameters())
-    say(f"drafter: {job.method}, {n_train / 1e6:.2f}M trainable params, taps {list(method.taps)}, "
-        f"draft vocab {drafter.d2t.numel()} (covers {method.vocab_coverage:.1%} of assistant tokens)")
+    say(f"drafter: {job.method}, {n_train / 1e6:.2f}M trainable params, {method.describe(drafter)}")
 
     optimizer = torch.optim.AdamW(
-        list(drafter.trainable_parameters()), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
+        method.param_groups(drafter, tc.lr), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
