@@ -117,6 +117,10 @@ class DecodeConfig:
     pld_max_ngram: int = 3
     plot: bool = True
     tree: TreeConfig = field(default_factory=TreeConfig)
+    # Grammar-constrained decoding (drafttrain.structured, xgrammar): None = unconstrained; "json" = any JSON
+    # object/array (built-in JSON grammar); "regex:<pattern>"; or a path to a JSON-schema file. The target's
+    # distribution and the drafter's proposals are masked by the grammar; stop tokens only once it is complete.
+    grammar: Optional[str] = None
 
 
 @dataclass

@@ -1,0 +1,40 @@
+"""Structured output: grammar-constrained decoding (xgrammar) and structured eval sets."""
+from .evalset import (
+    StructuredExample,
+    builtin_structured_examples,
+    function_call_schema,
+    read_structured_jsonl,
+    validate_outputs,
+)
+from .grammar import (
+    CompiledGrammar,
+    DraftMasks,
+    GrammarSpec,
+    GrammarState,
+    apply_mask,
+    check_output,
+    compile_grammar,
+    decode_output,
+    parse_spec,
+    tokenizer_info,
+    unpack_bitmask,
+)
+
+__all__ = [
+    "CompiledGrammar",
+    "DraftMasks",
+    "GrammarSpec",
+    "GrammarState",
+    "StructuredExample",
+    "apply_mask",
+    "builtin_structured_examples",
+    "check_output",
+    "compile_grammar",
+    "decode_output",
+    "function_call_schema",
+    "parse_spec",
+    "read_structured_jsonl",
+    "tokenizer_info",
+    "unpack_bitmask",
+    "validate_outputs",
+]
