@@ -14,10 +14,19 @@ The loop is method-agnostic. A *method* (training/eagle3.py, …) is an object w
   loss(model, drafter, batch, cap, counts, scale) -> (loss, dict of per-term sums)
   summarize(sums) -> dict with "loss"                 means from the globally reduced sums
   estimated_tau(summary, k) -> float | None           τ implied by training metrics
+Optional hooks (training/medusa.py, training/distill.py):
+  transform_examples(drafter, rows, step, rank) -> rows  rewrite a step's micro-batches before collation
+                                                        (on-policy rows sampled by the draft itself)
+  finalize(drafter, train_metrics)                    before the final save (Medusa: tree from accuracy)
+  eval_setup(target, drafter) -> (target, drafter, extra report keys)
+                                                      what the decoder verifies with and drafts with
+                                                      (Medusa-2: the adapted target, merged)
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -58,7 +67,16 @@ def make_method(job, tokenizer, target_model):
         from .eagle3 import Eagle3Method
 
         return Eagle3Method(job.eagle3, tokenizer, target_model)
-    raise DraftTrainError(f"method={job.method}: not a training method (expected: eagle3)")
+    if job.method in ("medusa", "medusa2"):
+        from .medusa import MedusaMethod
+
+        return MedusaMethod(job.medusa, tokenizer, target_model, joint=job.method == "medusa2")
+    if job.method == "distill":
+        from .distill import DistillMethod
+
+        return DistillMethod(job.distill, tokenizer, target_model, seed=job.train.seed)
+    raise DraftTrainError(f"method={job.method}: not a training method (expected: eagle3, medusa, medusa2, "
+                          "distill)")
 
 
 def load_training_data(job, model, tokenizer, target_name: str, run_dir: Path):
@@ -105,11 +123,11 @@ def run_train(cfg) -> dict | None:
 
     device = resolve_device(job.target.device)
     log_with, init_kwargs = tracker_for(job.logger, hydra_dir)
-    accelerator = Accelerator(mixed_precision=_mixed_precision(tc.mixed_precision, device), log_with=log_with,
-                              cpu=device.type == "cpu")
+    accelerator = _make_accelerator(Accelerator, tc, device, log_with)
     world, rank = accelerator.num_processes, accelerator.process_index
     plan = batching.make_plan(tc.batch_size, tc.micro_batch_size, world)
     accelerator.gradient_accumulation_steps = plan.accumulation
+    _configure_deepspeed(accelerator, plan, tc)
 
     # every process writes into rank 0's run directory (Hydra's timestamped name may differ across ranks)
     shared = [str(hydra_dir)]
@@ -133,12 +151,20 @@ def run_train(cfg) -> dict | None:
         f"{model.config.num_hidden_layers} layers)")
 
     # ---- data (the main process regenerates/caches first, the others reuse the cache) ----
-    with accelerator.main_process_first():
-        examples, eval_convs, dstats = load_training_data(job, model, tokenizer, tname, run_dir)
+    store = None  # capture.mode=offline: the feature store written by `drafttrain capture`
+    if job.capture.mode == "offline":
+        store, examples, eval_convs, dstats = _offline_data(job, tname)
+    elif job.capture.mode != "online":
+        raise DraftTrainError(f"capture.mode={job.capture.mode}: expected online or offline")
+    else:
+        with accelerator.main_process_first():
+            examples, eval_convs, dstats = load_training_data(job, model, tokenizer, tname, run_dir)
     say(f"data: {dstats}")
 
     # ---- drafter ----
     method = make_method(job, tokenizer, model)
+    if store is not None:
+        _check_offline(store, method, job)
     drafter = method.build_drafter(model, examples, tname).to(accelerator.device)
     n_train = sum(p.numel() for p in drafter.trainable_parameters())
     say(f"drafter: {job.method}, {n_train / 1e6:.2f}M trainable params, {method.describe(drafter)}")
@@ -153,14 +179,19 @@ def run_train(cfg) -> dict | None:
             "config": OmegaConf.to_container(cfg, resolve=True)}
 
     start_step = 0
+    order = checkpoint.param_order(drafter, optimizer)  # names per optimizer group (checkpoints gather by name)
+    deepspeed = checkpoint._distributed_kind(accelerator) == "DEEPSPEED"
     resume_from = checkpoint.resolve_resume(tc.resume, run_dir)
     if resume_from is not None:
         checkpoint.check_compatible(checkpoint.read_checkpoint_meta(resume_from), meta, resume_from)
-        start_step = checkpoint.load_checkpoint(resume_from, drafter, optimizer, scheduler)
+        start_step = checkpoint.load_checkpoint(resume_from, drafter, None if deepspeed else optimizer, scheduler)
         say(f"resumed from {resume_from} at step {start_step}")
 
     # the scheduler is stepped by hand once per optimizer step (not prepared: that would tie it to world size)
     wrapped, optimizer = accelerator.prepare(drafter, optimizer)
+    if resume_from is not None and deepspeed:  # DeepSpeed builds its optimizer state in prepare: fill it now
+        checkpoint.restore_deepspeed_optimizer(optimizer, drafter, checkpoint.load_weights(resume_from),
+                                               checkpoint.load_optimizer_state(resume_from), order)
     if main and log_with:
         accelerator.init_trackers(job.logger.project, config=meta["config"], init_kwargs=init_kwargs)
     accelerator.wait_for_everyone()
@@ -173,26 +204,29 @@ def run_train(cfg) -> dict | None:
     t_log, tok_log = time.time(), 0
     t_start = time.time()
     for step in bar:
-        mbs = [collate([examples[i] for i in idx], pad_id) for idx in
-               batching.micro_batches(len(examples), plan, step, tc.seed, rank)]
+        mb_idx = batching.micro_batches(len(examples), plan, step, tc.seed, rank)
+        rows = [[examples[i] for i in idx] for idx in mb_idx]
+        if hasattr(method, "transform_examples"):  # e.g. on-policy rows sampled by the draft itself
+            rows = method.transform_examples(drafter, rows, step, rank)
+        mbs = [collate(r, pad_id) for r in rows]
         mbs = [{k: v.to(accelerator.device) for k, v in mb.items()} for mb in mbs]
-        caps = [method.capture(model, mb) for mb in mbs]
+        caps = [_capture(method, model, mb, store, idx, examples) for mb, idx in zip(mbs, mb_idx)]
         counts = sum(method.count_valid(drafter, mb, cap) for mb, cap in zip(mbs, caps))
         counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum")
         step_stats: dict = {}
-        for mb, cap in zip(mbs, caps):
+        for idx, mb, cap in zip(mb_idx, mbs, caps):
             with accelerator.accumulate(wrapped):
                 with accelerator.autocast():
                     loss, stats = method.loss(wrapped, drafter, mb, cap, counts, scale)
-                if not torch.isfinite(loss):
-                    raise DraftTrainError(
-                        f"non-finite loss at step {step + 1} (micro-batch rows {mb['input_ids'].shape[0]}); "
-                        f"last good checkpoint: {checkpoint.list_checkpoints(run_dir)[-1:] or 'none'}"
-                    )
+                _stop_if_not_finite(accelerator, loss, "loss", step, idx, run_dir)
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and tc.grad_clip > 0:
-                    grad_norm = accelerator.clip_grad_norm_(wrapped.parameters(), tc.grad_clip)
-                    step_stats["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+                if accelerator.sync_gradients:
+                    clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+                    grad_norm = accelerator.clip_grad_norm_(wrapped.parameters(), clip)
+                    if grad_norm is not None:
+                        _stop_if_not_finite(accelerator, torch.as_tensor(grad_norm), "gradient norm", step, idx,
+                                            run_dir)
+                        step_stats["grad_norm"] = float(grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             for k, v in stats.items():
@@ -218,30 +252,39 @@ def run_train(cfg) -> dict | None:
             if main and log_with:
                 accelerator.log({f"train/{k}": v for k, v in summary.items() if k != "step"}, step=done)
         if tc.save_every and done % tc.save_every == 0 and done < tc.max_steps:
-            _save(accelerator, run_dir, drafter, optimizer, scheduler, done, meta, tc.keep_checkpoints)
+            _save(accelerator, run_dir, drafter, optimizer, scheduler, done, meta, tc.keep_checkpoints, wrapped, order)
     bar.close()
     train_seconds = time.time() - t_start
 
     # ---- final checkpoint + drafter ----
     if tc.max_steps > start_step or resume_from is None:
-        _save(accelerator, run_dir, drafter, optimizer, scheduler, tc.max_steps, meta, tc.keep_checkpoints)
+        _save(accelerator, run_dir, drafter, optimizer, scheduler, tc.max_steps, meta, tc.keep_checkpoints, wrapped,
+              order)
     final_dir = run_dir / "final"
+    gathered = contextlib.ExitStack()  # ZeRO-3: the full weights on every process while the drafter is saved
+    gathered.enter_context(_full_params(accelerator, wrapped))
     if main:
-        accelerator.unwrap_model(wrapped).save_pretrained(final_dir)
         tail = history[-min(len(history), 10):]
         train_metrics = {k: sum(h[k] for h in tail) / len(tail) for k in tail[0]} if tail else {}
+        if hasattr(method, "finalize"):  # e.g. Medusa picks its tree from the measured per-head accuracy
+            method.finalize(accelerator.unwrap_model(wrapped), train_metrics)
+        accelerator.unwrap_model(wrapped).save_pretrained(final_dir)
         write_json(run_dir / "train_metrics.json", {"history": history, "train_seconds": train_seconds})
         say(f"saved drafter to {final_dir} ({train_seconds:.0f}s of training)")
     accelerator.wait_for_everyone()
+    gathered.close()
 
     report = None
     if tc.eval and main:
         from ..eval import evaluate_drafter
 
         est = method.estimated_tau(train_metrics, job.decode.num_draft_tokens) if train_metrics else None
+        eval_model, eval_drafter, extra = model, _eval_module(accelerator, wrapped, final_dir), None
+        if hasattr(method, "eval_setup"):  # e.g. Medusa-2 verifies with its adapted target
+            eval_model, eval_drafter, extra = method.eval_setup(model, eval_drafter)
         report = evaluate_drafter(
-            model, tokenizer, accelerator.unwrap_model(wrapped), job.decode, eval_convs, run_dir,
-            target_name=tname, drafter_name=str(final_dir), train_estimated_tau=est,
+            eval_model, tokenizer, eval_drafter, job.decode, eval_convs, run_dir,
+            target_name=tname, drafter_name=str(final_dir), train_estimated_tau=est, extra=extra,
         )
         if log_with:
             accelerator.log({f"eval/{k}": v for k, v in report.items() if isinstance(v, (int, float))},
@@ -254,10 +297,129 @@ def run_train(cfg) -> dict | None:
     return report
 
 
-def _save(accelerator, run_dir, drafter, optimizer, scheduler, step, meta, keep) -> None:
+def _stop_if_not_finite(accelerator, value: torch.Tensor, what: str, step: int, rows: list[int], run_dir) -> None:
+    """Stop (on every process) before a NaN/inf reaches the weights; name the step, the batch and the last
+    good checkpoint, which stays on disk untouched."""
+    bad = torch.tensor([0.0 if bool(torch.isfinite(value.detach()).all()) else 1.0], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        bad = accelerator.reduce(bad, reduction="sum")
+    if bad.item() > 0:
+        last = checkpoint.list_checkpoints(run_dir)
+        raise DraftTrainError(
+            f"non-finite {what} at step {step + 1} (this process's micro-batch: dataset rows {rows}); "
+            f"stopped before the update; last good checkpoint: {last[-1] if last else 'none'}"
+        )
+
+
+def _save(accelerator, run_dir, drafter, optimizer, scheduler, step, meta, keep, wrapped, order) -> None:
+    # full weights and optimizer state in the single-process layout (a collective under ZeRO-3 / FSDP)
+    weights, optim_state = checkpoint.gather_state(accelerator, wrapped, drafter, optimizer, order)
     if accelerator.is_main_process:
         path = checkpoint.checkpoint_dir(run_dir, step)
-        checkpoint.save_checkpoint(path, drafter, optimizer.optimizer if hasattr(optimizer, "optimizer")
-                                   else optimizer, scheduler, step, meta)
+        checkpoint.write_checkpoint(path, weights, optim_state, scheduler, step, meta)
         checkpoint.prune_checkpoints(run_dir, keep)
     accelerator.wait_for_everyone()
+
+
+def _make_accelerator(Accelerator, tc, device, log_with):
+    """The Accelerator of this process. DeepSpeed on a machine without CUDA (DeepSpeed's CPU accelerator,
+    ``DS_ACCELERATOR=cpu``) runs over gloo: accelerate must not get ``cpu=True`` then (that selects its plain
+    multi-CPU mode and drops DeepSpeed) and needs the backend named."""
+    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+
+    mp = _mixed_precision(tc.mixed_precision, device)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return Accelerator(mixed_precision=mp, log_with=log_with, cpu=device.type == "cpu")
+    # the launcher exports the config's "auto" accumulation, which Accelerator cannot parse: the loop sets the
+    # real value from the batch plan (and writes it into the DeepSpeed config) right after
+    kw = dict(mixed_precision=mp, log_with=log_with, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1))
+    if device.type == "cpu":
+        if torch.cuda.is_available():
+            raise DraftTrainError("DeepSpeed with target.device=cpu on a CUDA machine: use target.device=auto")
+        kw["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    return Accelerator(**kw)
+
+
+def _configure_deepspeed(accelerator, plan, tc) -> None:
+    """DeepSpeed takes the batch geometry and clipping from its config (there is no data loader to infer them
+    from, and its engine clips): set them from the plan so they match the non-DeepSpeed runs exactly."""
+    if checkpoint._distributed_kind(accelerator) != "DEEPSPEED":
+        return
+    accelerator.state.deepspeed_plugin.deepspeed_config.update(
+        train_micro_batch_size_per_gpu=plan.micro_batch, gradient_accumulation_steps=plan.accumulation,
+        train_batch_size=plan.global_batch, gradient_clipping=float(tc.grad_clip) if tc.grad_clip > 0 else 0.0,
+    )
+
+
+def _zero3(accelerator) -> bool:
+    if checkpoint._distributed_kind(accelerator) != "DEEPSPEED":
+        return False
+    return int(accelerator.state.deepspeed_plugin.zero_stage) == 3
+
+
+def _full_params(accelerator, wrapped):
+    """ZeRO-3: gather the drafter's full parameters on every process (enter on all of them); else a no-op."""
+    if not _zero3(accelerator):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(accelerator.unwrap_model(wrapped).parameters()), modifier_rank=None)
+
+
+def _eval_module(accelerator, wrapped, final_dir: Path):
+    """The drafter to evaluate. Under ZeRO-3 the trained module's parameters are partitioned and its forward
+    hooks gather them collectively, so the main process evaluates a fresh copy loaded from ``final/``."""
+    module = accelerator.unwrap_model(wrapped)
+    if not _zero3(accelerator):
+        return module
+    if not hasattr(type(module), "from_pretrained"):
+        raise DraftTrainError(f"ZeRO-3: cannot reload {type(module).__name__} for evaluation; run `drafttrain eval "
+                              f"drafter={final_dir}`")
+    return type(module).from_pretrained(final_dir, device=accelerator.device)
+
+
+def _offline_data(job, tname: str):
+    """capture.mode=offline: the examples (and later their features) from a `drafttrain capture` directory;
+    evaluation prompts from ``data`` as usual."""
+    from ..capture.store import FeatureStore
+    from ..eval import eval_conversations
+
+    c = job.capture
+    if not c.path:
+        raise DraftTrainError("capture.mode=offline needs capture.path=<directory written by drafttrain capture>")
+    store = FeatureStore(c.path, verify=c.verify)
+    if store.meta.get("target") != tname:
+        raise DraftTrainError(f"capture.path={c.path}: captured from target {store.meta.get('target')}, but this run's "
+                              f"target is {tname}")
+    examples = store.examples()
+    stats = {"rows": len(examples), "tokens": store.num_tokens, "offline_features": str(c.path),
+             "trainable_tokens": sum(sum(ex["loss_mask"]) for ex in examples)}
+    return store, examples, eval_conversations(job.data), stats
+
+
+def _check_offline(store, method, job) -> None:
+    needs = getattr(method, "offline_features", None)
+    if needs is None or not hasattr(method, "capture_from_features"):
+        raise DraftTrainError(f"capture.mode=offline: method={job.method} cannot train from stored features "
+                              "(use capture.mode=online)")
+    missing = [n for n in needs if n not in store.features]
+    if missing:
+        raise DraftTrainError(f"capture.path={job.capture.path}: lacks {', '.join(missing)} needed by method="
+                              f"{job.method} (captured for method={store.meta.get('method')})")
+    if "taps" in needs and list(store.meta.get("taps") or []) != list(getattr(method, "taps", [])):
+        raise DraftTrainError(f"capture.path={job.capture.path}: captured taps {store.meta.get('taps')}, this run's "
+                              f"eagle3 taps are {list(method.taps)}")
+
+
+def _capture(method, model, mb, store, idx, examples):
+    """Online: the target runs on the micro-batch. Offline: the stored features of its examples."""
+    if store is None:
+        return method.capture(model, mb)
+    lengths = mb["attention_mask"].sum(1).tolist()
+    for b, i in enumerate(idx):  # stored features belong to the stored rows: refuse rewritten (on-policy) rows
+        if b >= len(lengths) or lengths[b] != len(examples[i]["input_ids"]) or \
+                mb["input_ids"][b, : lengths[b]].tolist() != examples[i]["input_ids"]:
+            raise DraftTrainError("capture.mode=offline: the method rewrote the training rows (on-policy data?); "
+                                  "stored features cannot match them: use capture.mode=online")
+    feats = store.batch(idx, mb["input_ids"].shape[1], method.offline_features, device=mb["input_ids"].device)
+    return method.capture_from_features(model, mb, feats)
