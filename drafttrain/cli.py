@@ -5,6 +5,9 @@ Commands:
   eval          evaluate a saved drafter (``drafter=runs/<run>/final``) or ar/pld in the speculative decoder
   build-target  build (or find in the cache) the built-in target and print its path
   regenerate    rewrite assistant turns of a JSONL file with the target's own outputs (resumable)
+  capture       store the target's hidden states for offline training (``capture.path=DIR``; resumable,
+                multi-process under ``accelerate launch -m drafttrain.cli capture``)
+  export        write a drafter for vLLM / SGLang / HF (``drafter=… format=vllm|sglang|hf out=…``)
 
 Shorthands: ``target=<dir or hub name>`` (not a conf/target option) means ``target=hf
 target.name_or_path=<it>``; ``data=<file>.jsonl`` means ``data=jsonl data.path=<file>``.
@@ -13,7 +16,6 @@ Errors caused by input or state print one line (``error: ...``) and exit with st
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -145,11 +147,25 @@ def _regenerate_task(cfg):
     print(stats)
 
 
+def _capture_task(cfg):
+    from .capture.capture import run_capture_job
+
+    return run_capture_job(cfg)
+
+
+def _export_task(cfg):
+    from .export import run_export
+
+    return run_export(cfg)
+
+
 COMMANDS = {
     "train": ("train", _train_task),
     "eval": ("eval", _eval_task),
     "build-target": ("build_target", _build_target_task),
     "regenerate": ("regenerate", _regenerate_task),
+    "capture": ("capture", _capture_task),
+    "export": ("export", _export_task),
 }
 
 

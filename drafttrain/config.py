@@ -6,6 +6,10 @@ and the decoder never see a config object).
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -15,7 +19,8 @@ from omegaconf import MISSING
 
 @dataclass
 class BuiltinTargetConfig:
-    """Size and training budget of the built-in target (see drafttrain.targets.builtin.BuiltinSpec)."""
+    """Size and training budget of the built-in target (drafttrain.targets.builtin); ``key()`` names its
+    cache entry, so changing any field builds (and caches) another target."""
 
     vocab_size: int = 2048
     hidden_size: int = 192
@@ -33,6 +38,10 @@ class BuiltinTargetConfig:
     max_files: int = 0
     eval_batches: int = 8
     seed: int = 0
+
+    def key(self) -> str:
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True) + sys.version.split()[0]
+        return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -74,6 +83,61 @@ class Eagle3Config:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters via peft (Medusa-2's jointly trained target; optional on a pretrained distilled draft)."""
+
+    r: int = 32  # rank (Medusa-2 Vicuna-7B recipe: 32)
+    alpha: int = 16  # lora_alpha (scale alpha / r)
+    dropout: float = 0.05
+    # peft target_modules: ["all-linear"] (every linear layer but the LM head) or module names (q_proj, ...)
+    target_modules: List[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
+class MedusaConfig:
+    """Medusa heads (recipe=medusa: Medusa-1, frozen target; recipe=medusa2: Medusa-2, joint LoRA training)."""
+
+    num_heads: int = 4  # K heads; head k predicts the token k+2 ahead
+    num_layers: int = 1  # residual blocks x + SiLU(Wx + b) per head (W, b zero-initialised)
+    step_decay: float = 0.8  # head k's loss weight is heads_coefficient * step_decay**k
+    heads_coefficient: float = 1.0  # Medusa-1: 1.0; Medusa-2 recipe: 0.2 (the LM loss has weight 1)
+    # Medusa-2 only -------------------------------------------------------------------------------
+    head_lr_multiplier: float = 4.0  # head learning rate = train.lr * this (LoRA parameters get train.lr)
+    self_distillation: bool = True  # LM loss = KL(target without adapters || adapted target); false: CE on data
+    lm_loss_weight: float = 1.0  # weight of that LM loss
+    init_heads: Optional[str] = None  # warm-start the heads from a saved Medusa-1 drafter directory (stage 1)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # tree (decode.tree.enabled): the static tree is chosen from the per-head top-k accuracy measured in the
+    # last training steps (tree_top_k ranks per head), greedily adding the node with the largest path product
+    tree_top_k: int = 8
+    tree_num_nodes: int = 32  # draft nodes in the default tree (decode.tree.total_tokens overrides at decode)
+
+
+@dataclass
+class DistillConfig:
+    """recipe=distill: a small causal LM sharing the target's tokenizer, distilled toward the target."""
+
+    init: str = "from_target_layers"  # from_config | from_target_layers | from_pretrained
+    num_layers: int = 2  # draft decoder layers (from_config, from_target_layers)
+    hidden_size: Optional[int] = None  # from_config: narrower width (None: the target's)
+    intermediate_size: Optional[int] = None  # from_config: MLP width (None: scaled with hidden_size)
+    pretrained: Optional[str] = None  # from_pretrained: an HF causal LM dir with the target's vocabulary
+    # fkl | rkl | jsd | tvd | a mix "fkl:0.5,tvd:0.5" | ce (plain next-token CE on the data: the baseline)
+    loss: str = "fkl"
+    jsd_beta: float = 0.5  # JSD(beta): 0 = forward KL, 1 = reverse KL
+    temperature: float = 1.0  # KD temperature on both distributions (no T^2 factor)
+    # data: the fixed dataset (data.regenerate=false), teacher-generated (data.regenerate=true, the default),
+    # or on-policy: this fraction of every micro-batch is replaced by continuations the draft samples itself
+    # from the same prompts (scored by the target), as in DistillSpec / GKD
+    on_policy_ratio: float = 0.0
+    on_policy_max_new_tokens: int = 64
+    on_policy_temperature: float = 1.0  # the draft's sampling temperature for on-policy sequences
+    use_lora: bool = False  # train LoRA adapters on the draft (e.g. a from_pretrained one) instead of all weights
+    lora: LoraConfig = field(default_factory=lambda: LoraConfig(r=16, alpha=32, dropout=0.0))
+    seed: int = 0  # random init of from_config
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 300  # optimizer updates
     batch_size: int = 16  # sequences per optimizer update, over all processes
@@ -95,15 +159,20 @@ class TrainConfig:
 
 @dataclass
 class TreeConfig:
-    enabled: bool = False
-    depth: int = 6
-    top_k: int = 8
-    total_tokens: int = 48
+    """Tree drafting (decode.method=eagle3 / medusa / oracle): one target forward verifies a token tree."""
+
+    enabled: bool = False  # draft a tree instead of a chain
+    depth: int = 6  # the most draft tokens along a path (eagle3: depth - 1 batched drafter steps per round)
+    top_k: int = 8  # eagle3: children per expanded node and frontier width; oracle: siblings per depth
+    total_tokens: int = 48  # draft nodes verified per round (root excluded); medusa: nodes of the chosen tree
+    # medusa: the static tree as Medusa choices (paths of top-k ranks, e.g. [[0],[1],[0,0]]); None = chosen
+    # from the drafter's saved per-head accuracy (total_tokens nodes), else its saved tree, else the default
+    medusa_choices: Optional[List[List[int]]] = None
 
 
 @dataclass
 class DecodeConfig:
-    method: str = "eagle3"  # ar | eagle3 | draft_model | pld | oracle
+    method: str = "eagle3"  # ar | eagle3 | medusa | draft_model | pld | oracle
     num_draft_tokens: int = 4
     temperature: float = 0.0
     top_k: int = 0
@@ -117,6 +186,19 @@ class DecodeConfig:
     pld_max_ngram: int = 3
     plot: bool = True
     tree: TreeConfig = field(default_factory=TreeConfig)
+    # target KV cache: auto (static preallocated where the model allows, else HF DynamicCache) | static | dynamic
+    cache: str = "auto"
+    static_shapes: bool = False  # pad verify forwards to fixed sizes (what CUDA graphs need)
+    compile: bool = False  # CUDA + static_shapes: torch.compile(mode="reduce-overhead") of the verify forward
+    # Medusa's typical acceptance when sampling: LOSSY (the output is not the target's distribution); off by
+    # default and reported as lossy
+    typical_acceptance: bool = False
+    typical_epsilon: float = 0.09  # accept x if p(x) > min(epsilon, delta * exp(-entropy(p)))
+    typical_delta: float = 0.3
+    # draft lengths (trees: depths) timed for the speedup-vs-draft-length plot (speedup.png);
+    # None = automatic (1, 2, 4, 8 and the configured one), [] = no sweep
+    sweep: Optional[List[int]] = None
+    sweep_prompts: int = 4  # the sweep runs on the first N prompts (0 = no sweep)
     # Grammar-constrained decoding (drafttrain.structured, xgrammar): None = unconstrained; "json" = any JSON
     # object/array (built-in JSON grammar); "regex:<pattern>"; or a path to a JSON-schema file. The target's
     # distribution and the drafter's proposals are masked by the grammar; stop tokens only once it is complete.
@@ -132,14 +214,54 @@ class LoggerConfig:
 
 
 @dataclass
+class CaptureConfig:
+    """Hidden-state capture (drafttrain.capture). Online: the frozen target runs inside the training loop.
+    Offline: `drafttrain capture` writes the features once (sharded safetensors + index); training reads them."""
+
+    mode: str = "online"  # train: online | offline (read the features stored under `path`)
+    path: Optional[str] = None  # the feature directory (`drafttrain capture` writes it; offline training reads it)
+    dtype: str = "bfloat16"  # capture: storage dtype of hidden states, bfloat16 | float16 | float32
+    batch_size: int = 8  # capture: sequences per target forward
+    shard_mb: float = 1024.0  # capture: size of one shard file in MiB (a shard holds whole examples)
+    verify: str = "lazy"  # train: shard sha256 check: lazy (on a shard's first read) | full (all up front) | size
+
+
+@dataclass
 class TrainJob:
-    method: str = "eagle3"
+    method: str = "eagle3"  # eagle3 | medusa | medusa2 | distill (set by the recipe)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eagle3: Eagle3Config = field(default_factory=Eagle3Config)
+    medusa: MedusaConfig = field(default_factory=MedusaConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+
+
+@dataclass
+class CaptureJob:
+    """`drafttrain capture`: the target's features over the training data of `data`, written to capture.path."""
+
+    method: str = "eagle3"  # which features: eagle3 (3 taps + last hidden) | medusa | distill (last hidden)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eagle3: Eagle3Config = field(default_factory=Eagle3Config)  # only eagle3.tap_layers is used here
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+
+
+@dataclass
+class ExportJob:
+    """`drafttrain export`: a trained drafter in the on-disk layout a serving engine loads."""
+
+    drafter: str = MISSING  # a saved drafter directory (runs/<run>/final)
+    format: str = MISSING  # vllm | sglang | hf (EAGLE-3: vllm = speculators layout, sglang = flat Eagle3 layout)
+    out: str = MISSING  # the output directory; must not exist or be empty unless overwrite=true
+    overwrite: bool = False  # replace a non-empty `out`
+    dtype: str = "bfloat16"  # floating-point tensors: bfloat16 | float16 | float32
+    verifier: Optional[str] = None  # verifier name/path written into the config (default: the training target)
+    num_speculative_tokens: int = 3  # vllm EAGLE-3: speculators_config proposal default (serve can override)
 
 
 @dataclass
@@ -174,6 +296,8 @@ def register_configs() -> None:
     cs.store(name="eval_schema", node=EvalJob)
     cs.store(name="build_target_schema", node=BuildTargetJob)
     cs.store(name="regenerate_schema", node=RegenerateJob)
+    cs.store(name="capture_schema", node=CaptureJob)
+    cs.store(name="export_schema", node=ExportJob)
     cs.store(group="target", name="schema", node=TargetConfig)
     cs.store(group="data", name="schema", node=DataConfig)
     cs.store(group="decode", name="schema", node=DecodeConfig)

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import hashlib
-import json
 import math
 import os
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from ..config import BuiltinTargetConfig
 from ..io import DraftTrainError, atomic_dir, write_json
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -45,30 +43,8 @@ CHAT_TEMPLATE = (
 )
 
 
-@dataclass
-class BuiltinSpec:
-    """Everything that determines the built-in target; its hash names the cache entry."""
-
-    vocab_size: int = 2048
-    hidden_size: int = 192
-    intermediate_size: int = 512
-    num_layers: int = 8
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    max_position_embeddings: int = 2048
-    seq_len: int = 256
-    batch_size: int = 16
-    steps: int = 420
-    lr: float = 3e-3
-    warmup_steps: int = 40
-    chat_fraction: float = 0.5
-    max_files: int = 0  # 0 = all files of the split (tests use a handful)
-    eval_batches: int = 8
-    seed: int = 0
-
-    def key(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True) + sys.version.split()[0]
-        return hashlib.sha1(blob.encode()).hexdigest()[:12]
+# The spec lives with the other structured configs (``target.builtin.*``); its hash names the cache entry.
+BuiltinSpec = BuiltinTargetConfig
 
 
 def cache_root() -> Path:
