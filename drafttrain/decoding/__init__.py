@@ -1,13 +1,17 @@
-"""Speculative decoding: target runner, verification rules, proposers and the chain decoder."""
+"""Speculative decoding: target runner, verification rules (chain and tree), proposers and the decoder."""
 from .engine import GenerationResult, SpecDecoder, aggregate
 from .proposers import (
     DraftModelProposer,
     Eagle3ChainProposer,
+    Eagle3TreeProposer,
+    MedusaChainProposer,
+    MedusaTreeProposer,
     NoDraft,
     OracleProposer,
     PromptLookupProposer,
     Proposer,
     StubProposer,
+    StubTreeProposer,
 )
 from .sampling import (
     SamplingParams,
@@ -17,11 +21,37 @@ from .sampling import (
     verify_chain_greedy,
     verify_chain_sampling,
 )
-from .target import TargetRunner
+from .target import StaticKVCache, TargetRunner, static_cache_support
+from .tree import (
+    DEFAULT_MEDUSA_CHOICES,
+    DraftTree,
+    ancestor_mask,
+    medusa_choices_from_accuracy,
+    medusa_topk_accuracy,
+    medusa_tree,
+    verify_tree_greedy,
+    verify_tree_sampling,
+    verify_tree_typical,
+)
 
 __all__ = [
+    "DEFAULT_MEDUSA_CHOICES",
     "DraftModelProposer",
+    "DraftTree",
     "Eagle3ChainProposer",
+    "Eagle3TreeProposer",
+    "MedusaChainProposer",
+    "MedusaTreeProposer",
+    "StaticKVCache",
+    "StubTreeProposer",
+    "ancestor_mask",
+    "medusa_choices_from_accuracy",
+    "medusa_topk_accuracy",
+    "medusa_tree",
+    "static_cache_support",
+    "verify_tree_greedy",
+    "verify_tree_sampling",
+    "verify_tree_typical",
     "GenerationResult",
     "NoDraft",
     "OracleProposer",

@@ -6,9 +6,18 @@ once on [pending, d_1..d_k], verification accepts d_1..d_a and yields one more t
 cache is rolled back by index to hold everything committed but b, which becomes the new pending token.
 Autoregressive decoding is the same loop with ``NoDraft`` and K = 0 (one target forward per token).
 
+Tree proposers (``proposer.tree``) draft a token tree instead; the target runs the whole tree in one
+forward with a tree attention mask (``TargetRunner.forward_tree``), the tree verifier picks the accepted
+path (greedy: longest matching path; sampling: EAGLE's recursive rejection, lossless for deterministic
+drafts), and the target cache is compacted by index to hold the committed tokens only. For trees, K is the
+maximum depth and "position i" is depth i + 1.
+
 Statistics: a *round* is one target verify forward after the prefill; tau = mean over rounds of the
 tokens the round committed (a + 1, less only when the round was cut by eos). The prefill's token is not
 counted, so AR has tau = 1 exactly and a proposer that is always right has tau = K + 1.
+
+Typical acceptance (``typical=True``, Medusa's rule) is LOSSY and only applies when sampling; results
+carry ``lossy = True`` so reports can say so.
 """
 from __future__ import annotations
 
@@ -21,6 +30,7 @@ import torch
 from .proposers import Proposer
 from .sampling import SamplingParams, sample, verify_chain_greedy, verify_chain_sampling
 from .target import TargetRunner, _sync
+from .tree import DraftTree, verify_tree_greedy, verify_tree_sampling, verify_tree_typical
 
 
 @dataclass
@@ -40,6 +50,8 @@ class GenerationResult:
     drafted_per_position: list[int] = field(default_factory=list)
     reached_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    num_tree_nodes: int = 0  # draft nodes verified (= num_drafted for chains)
+    lossy: bool = False  # typical acceptance was used: the output is not distributed as the target's
     time_total: float = 0.0
     time_target: float = 0.0
     time_draft: float = 0.0
@@ -60,6 +72,8 @@ class SpecDecoder:
         temperature, top_k, top_p: the target's sampling; temperature 0 is greedy. Speculative output
             is distributed exactly as the target's processed distribution (identical to AR when greedy).
         seed: seeds the decoder's ``torch.Generator`` (drafts and verification share it).
+        typical, typical_epsilon, typical_delta: Medusa's typical acceptance instead of rejection sampling
+            (LOSSY; sampling only; greedy decoding ignores it).
     """
 
     def __init__(
@@ -71,6 +85,9 @@ class SpecDecoder:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int = 0,
+        typical: bool = False,
+        typical_epsilon: float = 0.09,
+        typical_delta: float = 0.3,
     ):
         if num_draft_tokens < 0:
             raise ValueError("num_draft_tokens must be >= 0")
@@ -82,12 +99,18 @@ class SpecDecoder:
         self.generator = torch.Generator(device=target.device)
         self.generator.manual_seed(seed)
         self.sampling = SamplingParams(float(temperature), int(top_k), float(top_p), self.generator)
+        self.tree = bool(getattr(proposer, "tree", False))
+        self.typical = bool(typical) and not self.sampling.greedy
+        self.typical_epsilon, self.typical_delta = float(typical_epsilon), float(typical_delta)
 
     def _timed(self, fn, *args):
-        _sync(self.target.device)
+        timing = self.target.timing
+        if timing:
+            _sync(self.target.device)
         t0 = time.perf_counter()
         out = fn(*args)
-        _sync(self.target.device)
+        if timing:
+            _sync(self.target.device)
         self._time_draft += time.perf_counter() - t0
         return out
 
@@ -143,12 +166,28 @@ class SpecDecoder:
             if room < 0:
                 break
             k = min(K, max_new_tokens - len(new) - 1, room)  # a round commits at most k + 1 tokens
+            if self.tree:
+                a, committed, taps = self._tree_round(tokens, k, room, res)
+                tokens.extend(committed)
+                for tok in committed:
+                    new.append(tok)
+                    res.num_round_tokens += 1
+                    if tok in eos:
+                        done = True
+                        break
+                if not done and len(new) < max_new_tokens:
+                    self._timed(proposer.accept, tokens, a, taps)
+                continue
             drafts, q = self._timed(proposer.propose, tokens, k, sp) if k > 0 else ([], None)
             drafts = [int(t) for t in drafts[:k]]
             n = len(drafts)
             logits, taps = target.forward([tokens[-1]] + drafts)  # [n+1, V]
             if sp.greedy:
                 a, b = verify_chain_greedy(drafts, logits)
+            elif self.typical:
+                path, b = verify_tree_typical(DraftTree.chain(drafts), sp.process(logits), self.typical_epsilon,
+                                              self.typical_delta, self.generator)
+                a = len(path)
             else:
                 p = sp.process(logits)
                 V = p.shape[-1]
@@ -162,6 +201,7 @@ class SpecDecoder:
 
             res.num_rounds += 1
             res.num_drafted += n
+            res.num_tree_nodes += n
             res.num_accepted += a
             for i in range(n):
                 res.drafted_per_position[i] += 1
@@ -184,7 +224,46 @@ class SpecDecoder:
         res.time_total = time.perf_counter() - t_start
         res.time_target = target.time_forward - t_target0
         res.time_draft = self._time_draft
+        res.lossy = self.typical
         return res
+
+    def _tree_round(self, tokens: list[int], k: int, room: int, res: GenerationResult):
+        """One tree round: draft, verify the whole tree in one target forward, compact the cache.
+
+        Returns ``(a, committed tokens, target taps at [root, path])``.
+        """
+        sp, target = self.sampling, self.target
+        tree = self._timed(self.proposer.propose_tree, tokens, k, room, sp) if k > 0 else DraftTree([], [])
+        if tree.num_nodes > room or tree.depth > k:
+            raise ValueError(f"proposer {self.proposer.name!r} drafted a tree of {tree.num_nodes} nodes / depth "
+                             f"{tree.depth}, over the limits {room} / {k}")
+        L0 = target.length
+        parents = tree.all_parents()
+        logits, taps = target.forward_tree([tokens[-1]] + tree.tokens, parents)
+        if sp.greedy:
+            path, b = verify_tree_greedy(tree, logits)
+        elif self.typical:
+            path, b = verify_tree_typical(tree, sp.process(logits), self.typical_epsilon, self.typical_delta,
+                                          self.generator)
+        else:
+            path, b = verify_tree_sampling(tree, sp.process(logits), self.generator)
+        a = len(path)
+        keep = [0] + path
+        target.keep([L0 + i for i in keep], start=L0)
+        depth = tree.depth
+        res.num_rounds += 1
+        res.num_drafted += depth  # draft positions offered (one per depth), so alpha is comparable to chains
+        res.num_tree_nodes += tree.num_nodes
+        res.num_accepted += a
+        for i in range(depth):
+            res.drafted_per_position[i] += 1
+        for i in range(min(a + 1, depth)):
+            res.reached_per_position[i] += 1
+        for i in range(a):
+            res.accepted_per_position[i] += 1
+        committed = [tree.tokens[i - 1] for i in path] + [b]
+        kept_taps = None if taps is None else taps[torch.tensor(keep, device=taps.device)]
+        return a, committed, kept_taps
 
 
 def aggregate(results: Sequence[GenerationResult]) -> dict:
@@ -215,6 +294,7 @@ def aggregate(results: Sequence[GenerationResult]) -> dict:
     rounds = sum(r.num_rounds for r in results)
     drafted = sum(r.num_drafted for r in results)
     accepted = sum(r.num_accepted for r in results)
+    nodes = sum(r.num_tree_nodes for r in results)
     t_total = sum(r.time_total for r in results)
     t_target = sum(r.time_target for r in results)
     t_draft = sum(r.time_draft for r in results)
@@ -225,6 +305,9 @@ def aggregate(results: Sequence[GenerationResult]) -> dict:
         "num_rounds": rounds,
         "num_drafted": drafted,
         "num_accepted": accepted,
+        "num_tree_nodes": nodes,
+        "nodes_per_round": ratio(nodes, rounds),
+        "lossy": any(r.lossy for r in results),
         "alpha": ratio(accepted, drafted),
         "acceptance_per_position": [ratio(a, r) for a, r in zip(accepted_pp, reached_pp)],
         "accepted_per_position": accepted_pp,

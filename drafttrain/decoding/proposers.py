@@ -8,6 +8,11 @@ round ``propose(tokens, k, sampling)`` and, after verification, ``accept(tokens,
 yet in the target's cache). A deterministic proposer returns ``q = None`` and the engine treats its drafts
 as one-hot q; a stochastic one samples its drafts from its processed distribution q (same temperature /
 top-k / top-p as the target) and returns q ``[len, V_target]``.
+
+Tree proposers (``tree = True``) implement ``propose_tree(tokens, max_depth, max_nodes, sampling) ->
+DraftTree`` instead of ``propose``; their drafts are deterministic (top-k), which the tree verifier's
+recursive rejection needs to be lossless. ``accept`` is the same for both: after a tree round the taps are
+those of the root and the accepted path, in order, exactly as for a chain.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from torch import Tensor
 
 from .sampling import SamplingParams, sample
 from .target import TargetRunner
+from .tree import DEFAULT_MEDUSA_CHOICES, DraftTree, medusa_tree
 
 
 @runtime_checkable
@@ -304,3 +310,200 @@ class Eagle3ChainProposer:
             raise RuntimeError(f"drafter out of step: {self._n} target entries, {len(tokens)} committed tokens")
         self.cache.truncate(self._n)  # drop the draft-only entries
         self._extend(list(tokens[-(a + 1) :]), target_taps, start=self._n)
+
+
+class Eagle3TreeProposer(Eagle3ChainProposer):
+    """EAGLE-2-style dynamic tree drafting with an EAGLE-3 drafter.
+
+    The root's ``top_k`` draft tokens form depth 1. Each further level runs the drafter once on the current
+    frontier (``top_k`` nodes, one batched ``step`` with a tree attention mask: each node sees the
+    committed entries, its ancestors' draft entries and itself; a depth-d node sits at rotary position
+    n + d - 1 and reads its parent's output hidden), scores every node's ``top_k`` children by cumulative
+    draft log-probability, and keeps the global ``top_k`` of the ``top_k**2`` children as the next frontier.
+    All expanded nodes are reranked and the ``total_tokens`` best (ties go to the shallower node, so the
+    selection is closed under ancestors) form the tree. Drafts are deterministic: sampling stays lossless
+    through the tree verifier. After verification the drafter cache drops every draft entry and rebuilds the
+    accepted path from target features (as the chain proposer does).
+
+    Args:
+        depth: the most draft tokens along a path (depth - 1 batched drafter steps per round).
+        top_k: children per expanded node and frontier width.
+        total_tokens: draft nodes in the verified tree (root excluded).
+    """
+
+    name = "eagle3_tree"
+    stochastic = False
+    tree = True
+
+    def __init__(self, drafter, max_len: int = 4096, depth: int = 6, top_k: int = 8, total_tokens: int = 48):
+        if depth < 1 or top_k < 1 or total_tokens < 1:
+            raise ValueError(f"tree depth, top_k and total_tokens must be >= 1 (got {depth}, {top_k}, {total_tokens})")
+        self.depth, self.top_k, self.total_tokens = int(depth), int(top_k), int(total_tokens)
+        # the draft entries of a round live past the target entries until accept() drops them
+        super().__init__(drafter, max_len=int(max_len) + (self.depth - 1) * self.top_k)
+        self._draft_ids = drafter.draft_target_ids().to(self.device)
+
+    def propose(self, tokens, k, sampling):  # pragma: no cover - the engine calls propose_tree
+        raise TypeError("Eagle3TreeProposer drafts trees: use propose_tree")
+
+    @torch.no_grad()
+    def propose_tree(self, tokens, max_depth: int, max_nodes: int, sampling) -> DraftTree:
+        D = min(self.depth, int(max_depth))
+        total = min(self.total_tokens, int(max_nodes))
+        if D <= 0 or total <= 0 or self._next_logits is None:
+            return DraftTree([], [])
+        dev, n = self.device, self._n
+        D = min(D, (self.cache.max_len - n) // self.top_k + 1)  # never overflow the drafter cache
+        lp0 = torch.log_softmax(self._next_logits.float(), -1)  # [Vd]
+        k = min(self.top_k, lp0.shape[-1])
+        s1, i1 = lp0.topk(k)
+        cand_score, cand_tok, cand_par = [s1], [self._draft_ids[i1]], [torch.full((k,), -1, device=dev)]
+        f_idx = torch.arange(k, device=dev)  # candidate index of each frontier node
+        f_tok, f_score = self._draft_ids[i1], s1
+        f_hid = self._next_hidden.expand(1, k, -1)  # [1, k, H] the parents' output hidden
+        vis = torch.zeros(k, 0, dtype=torch.bool, device=dev)  # draft entries each frontier node may see
+        n_cand = k
+        for d in range(2, D + 1):
+            L = self.cache.length
+            mask = torch.cat([torch.ones(k, n, dtype=torch.bool, device=dev), vis,
+                              torch.eye(k, dtype=torch.bool, device=dev)], dim=1)[None]  # [1, k, L + k]
+            pos = torch.full((1, k), n + d - 2, dtype=torch.long, device=dev)
+            logits, out_h = self.drafter.step(f_tok[None], f_hid, self.cache, position_ids=pos, attn_mask=mask)
+            lp = torch.log_softmax(logits[0].float(), -1)  # [k, Vd]
+            cs, ci = lp.topk(k, dim=-1)  # [k, k] children of each frontier node
+            cs = (f_score[:, None] + cs).reshape(-1)
+            ctok = self._draft_ids[ci].reshape(-1)
+            rows = torch.arange(k, device=dev).repeat_interleave(k)  # frontier row of each child
+            cand_score.append(cs)
+            cand_tok.append(ctok)
+            cand_par.append(f_idx[rows])
+            best = cs.topk(k).indices  # next frontier: global top-k children
+            r = rows[best]
+            f_idx = n_cand + best
+            f_tok, f_score, f_hid = ctok[best], cs[best], out_h[:, r]
+            vis = torch.cat([vis[r], torch.eye(k, dtype=torch.bool, device=dev)[r]], dim=1)
+            n_cand += k * k
+        scores = torch.cat(cand_score)
+        # stable sort: ties keep the earlier candidate, and parents are always earlier than their children
+        order = torch.sort(scores, descending=True, stable=True).indices[:total]
+        sel = order.sort().values  # candidate order is topological
+        host = torch.stack([sel.double(), torch.cat(cand_tok)[sel].double(), torch.cat(cand_par)[sel].double(),
+                            scores[sel].double()]).tolist()  # one host sync
+        sel_l, tok_l, par_l, sc_l = host
+        node_of = {int(c): i + 1 for i, c in enumerate(sel_l)}
+        parents = [0 if p < 0 else node_of[int(p)] for p in par_l]
+        return DraftTree([int(t) for t in tok_l], parents, sc_l)
+
+
+class MedusaChainProposer(_DeterministicBase):
+    """Medusa heads as a chain: the top-1 token of heads 0..K-1 (q one-hot, so sampling stays lossless).
+
+    Head k reads the target's final (post-norm) hidden state h_m at the last verified position m -- the
+    state whose LM-head output produced the pending token x_{m+1} -- and predicts x_{m+2+k}: head 0 drafts
+    the token after the pending one. The target must tap ``hidden_states[L]`` (``taps=(L,)``, L = number of
+    layers). K is at most the number of heads.
+    """
+
+    name = "medusa"
+
+    def __init__(self, heads):
+        self.heads = heads
+        p = next(heads.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.reset()
+
+    def reset(self) -> None:
+        self._h: Tensor | None = None
+
+    def _set_hidden(self, taps) -> None:
+        if taps is None:
+            raise ValueError("Medusa proposers need the target's last hidden state: TargetRunner(taps=(L,))")
+        if taps.shape[-1] != self.heads.hidden_size:
+            raise ValueError(f"medusa: tap width {taps.shape[-1]} != heads hidden_size {self.heads.hidden_size} "
+                             "(tap hidden_states[L] only)")
+        self._h = taps[-1].to(self.device, self.dtype).reshape(1, 1, -1)
+
+    def prefill(self, prompt_ids, target_taps, first_token) -> None:
+        self._set_hidden(target_taps)
+
+    def accept(self, tokens, num_accepted, target_taps) -> None:
+        self._set_hidden(target_taps)
+
+    @torch.no_grad()
+    def _head_topk(self, num_heads: int, k: int | list[int]) -> Tensor:
+        ks = [k] * num_heads if isinstance(k, int) else list(k)
+        kmax = max(ks)
+        out = torch.zeros(num_heads, kmax, dtype=torch.long, device=self.device)
+        for j in range(num_heads):
+            out[j, : ks[j]] = self.heads.head_logits(self._h, j)[0, 0].topk(ks[j]).indices
+        return out
+
+    def propose(self, tokens, k, sampling):
+        k = min(int(k), self.heads.num_heads)
+        if k <= 0 or self._h is None:
+            return [], None
+        return self._head_topk(k, 1)[:, 0].tolist(), None  # one host sync
+
+
+class MedusaTreeProposer(MedusaChainProposer):
+    """Medusa heads on a static tree given as Medusa ``choices`` (paths of top-k ranks: ``[0, 1]`` = top-1 of
+    head 0, then top-2 of head 1); default :data:`drafttrain.decoding.tree.DEFAULT_MEDUSA_CHOICES`.
+    Siblings are distinct ranks of one head, hence distinct tokens; drafts are deterministic."""
+
+    name = "medusa_tree"
+    tree = True
+
+    def __init__(self, heads, choices=None):
+        super().__init__(heads)
+        self.structure = medusa_tree(choices if choices else DEFAULT_MEDUSA_CHOICES, heads.num_heads)
+        self.depth = max(self.structure.heads) + 1
+
+    def propose_tree(self, tokens, max_depth: int, max_nodes: int, sampling) -> DraftTree:
+        st = self.structure
+        D = min(self.depth, int(max_depth))
+        if D <= 0 or max_nodes <= 0 or self._h is None:
+            return DraftTree([], [])
+        cand = self._head_topk(D, st.topk[:D]).tolist()  # one host sync
+        nodes = [i for i, h in enumerate(st.heads) if h < D][: int(max_nodes)]  # topological: parents first
+        keep = {i + 1: j + 1 for j, i in enumerate(nodes)}
+        return DraftTree([cand[st.heads[i]][st.ranks[i]] for i in nodes],
+                         [0 if st.parents[i] == 0 else keep[st.parents[i]] for i in nodes])
+
+
+class StubTreeProposer(OracleProposer):
+    """Test proposer for trees: a main path along ``reference_tokens`` with ``branching - 1`` wrong siblings
+    at every depth (wrong tokens are ``(ref + 1 + s) % vocab_size``), the right token's slot among its
+    siblings rotating with the depth. Where ``agree_fn(j)`` is False the main-path node at output index j
+    holds a wrong token instead. Under greedy decoding with the AR output as reference the accepted length
+    is exactly the chain stub's, so tau can be computed in closed form.
+    """
+
+    name = "stub_tree"
+    tree = True
+
+    def __init__(self, reference_tokens: Sequence[int], agree_fn: Callable[[int], bool], vocab_size: int,
+                 branching: int = 2):
+        super().__init__(reference_tokens)
+        self.agree_fn = agree_fn
+        self.vocab_size = int(vocab_size)
+        self.branching = int(branching)
+
+    def propose_tree(self, tokens, max_depth, max_nodes, sampling) -> DraftTree:
+        j0 = len(tokens) - self._prompt_len
+        ref = self.reference[j0 : j0 + int(max_depth)]
+        toks, pars = [], []
+        main = 0
+        for d, t in enumerate(ref):
+            right = t if self.agree_fn(j0 + d) else (t + self.branching) % self.vocab_size
+            wrong = [(t + 1 + s) % self.vocab_size for s in range(self.branching - 1)]
+            slot = d % self.branching
+            sib = wrong[:slot] + [right] + wrong[slot:]
+            if len(toks) + len(sib) > max_nodes:
+                break
+            for i, tok in enumerate(sib):
+                toks.append(tok)
+                pars.append(main)
+                if i == slot:
+                    new_main = len(toks)
+            main = new_main
+        return DraftTree(toks, pars)

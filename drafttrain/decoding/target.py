@@ -1,25 +1,141 @@
-"""TargetRunner: an HF causal LM behind a KV cache that rolls back by index, plus hidden-state taps.
+"""TargetRunner: an HF causal LM behind a KV cache that rolls back and compacts by index, plus hidden-state taps.
 
-Batch size 1 only (one sequence per runner), which is what chain speculative decoding needs; batching
-would need per-row lengths and ragged rollback.
+Batch size 1 only (one sequence per runner), which is what speculative decoding at batch 1 needs.
 
-The cache interface is ``length`` / ``truncate(n)`` / ``reset()``; today it is an HF ``DynamicCache``
-cropped on rollback, and a preallocated static cache written by index can replace it behind the same
-interface. Sliding-window layers (Mistral, some Qwen configs) keep their past while recording, so they
-can be rolled back too.
+Two caches sit behind the same interface (``length`` / ``truncate(n)`` / ``keep(indices, start)`` /
+``reset()``):
+
+- ``static`` (default where supported): :class:`StaticKVCache`, per-layer K/V buffers
+  ``[1, Hkv, capacity, D]`` allocated once (at the first forward) and reused for every sequence. A forward
+  writes its new K/V at explicit indices (``index_copy_``), rollback only moves ``length``, and an accepted
+  tree path is compacted by ``index_select`` into the slots after the kept prefix: no per-step
+  reallocation. The runner always passes its own 4D additive attention mask (causal, tree, and sliding
+  windows by *position*, so sliding-window layers keep their full past and roll back anywhere); the model
+  never builds one. Needs ``attn_implementation`` eager or sdpa (a custom 4D mask) and attention layers
+  that call ``cache.update`` (every standard HF decoder).
+- ``dynamic`` (fallback): HF ``DynamicCache`` cropped on rollback. Tree verification with it is supported
+  for models without sliding-window layers (compaction by ``index_select`` on each layer's tensors).
+
+``static_shapes=True`` (the CUDA-graph path) pads every verify forward to a fixed bucket of positions and
+attends over the whole buffer (masked), so each bucket has one static shape; on CUDA, ``compile=True``
+wraps that forward in ``torch.compile(mode="reduce-overhead")`` (CUDA graphs). The same padded code runs
+eagerly on CPU, where it is tested.
 """
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------- static cache
+class _IndexedLayer(CacheLayerMixin):
+    """One layer of :class:`StaticKVCache`: writes at ``cache.write_index``, returns ``[:, :, :cache.kv_len]``."""
+
+    is_compileable = True
+    is_croppable = True
+    is_sliding = False  # windows are applied by the runner's mask, by position
+
+    def __init__(self, owner: "StaticKVCache"):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        B, H, _, Dk = key_states.shape
+        cap = self.owner.capacity
+        self.device = key_states.device
+        self.keys = torch.zeros((B, H, cap, Dk), dtype=key_states.dtype, device=self.device)
+        self.values = torch.zeros((B, H, cap, value_states.shape[-1]), dtype=value_states.dtype, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        idx = self.owner.write_index
+        self.keys.index_copy_(2, idx, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, idx, value_states.to(self.values.dtype))
+        kv = self.owner.kv_len
+        return self.keys[:, :, :kv], self.values[:, :, :kv]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.kv_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def reset(self) -> None:  # buffers are reused; nothing past ``length`` is ever read
+        pass
+
+
+class StaticKVCache(Cache):
+    """Preallocated K/V for every layer of an HF decoder (see the module docstring).
+
+    The runner sets ``write_index`` (LongTensor ``[n]``: the slots the next forward writes) and ``kv_len``
+    (how many leading slots attention reads) before each forward.
+    """
+
+    def __init__(self, num_layers: int, capacity: int):
+        super().__init__(layers=[_IndexedLayer(self) for _ in range(num_layers)])
+        self.capacity = int(capacity)
+        self.length = 0
+        self.kv_len = 0
+        self.write_index: Tensor | None = None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def keep(self, src: Tensor, start: int, kept: int) -> None:
+        """Move the slots ``src [kept]`` (absolute, all >= start) to ``start .. start+kept-1``."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys[:, :, start : start + kept] = layer.keys.index_select(2, src)
+                layer.values[:, :, start : start + kept] = layer.values.index_select(2, src)
+
+
+def _layer_kinds(cfg) -> tuple[list[str] | None, int | None]:
+    """(per-layer kinds "full"/"sliding", or None when unsupported; the sliding window or None)."""
+    n = int(cfg.num_hidden_layers)
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        kinds = []
+        for t in types:
+            if t == "full_attention":
+                kinds.append("full")
+            elif t == "sliding_attention" and window:
+                kinds.append("sliding")
+            else:
+                return None, None
+        return kinds, (int(window) if window else None)
+    if window:  # Mistral-style configs: every layer uses the window
+        return ["sliding"] * n, int(window)
+    return ["full"] * n, None
+
+
+def static_cache_support(model) -> str | None:
+    """None if the static cache can run ``model``; otherwise the reason it cannot."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    impl = getattr(model.config, "_attn_implementation", None) or getattr(cfg, "_attn_implementation", None)
+    if impl not in ("eager", "sdpa"):
+        return f"attn_implementation={impl!r} takes no custom 4D mask (need eager or sdpa)"
+    kinds, _ = _layer_kinds(cfg)
+    if kinds is None:
+        return f"layer types {sorted(set(getattr(cfg, 'layer_types', []) or []))} are not plain full/sliding attention"
+    if not hasattr(model, "get_output_embeddings"):
+        return "not a causal LM"
+    return None
 
 
 class TargetRunner:
@@ -31,41 +147,202 @@ class TargetRunner:
             rows are concatenated, in this order, into the tap features; None = no taps (and no
             ``output_hidden_states``).
         max_len: the most positions the cache may hold (default: the model's
-            ``max_position_embeddings``).
+            ``max_position_embeddings``; the static cache allocates this many slots, so pass what a run
+            needs).
+        cache: "auto" (static where :func:`static_cache_support` allows, else dynamic), "static" or
+            "dynamic".
+        static_shapes: pad verify forwards to fixed buckets and attend over the whole buffer (static
+            cache only): one shape per bucket, as CUDA graphs need.
+        buckets: the padded sizes for ``static_shapes`` (a forward of n positions uses the smallest
+            bucket >= n; longer ones, e.g. the prefill, run unpadded).
+        compile: on CUDA with ``static_shapes``, run the padded forward through
+            ``torch.compile(mode="reduce-overhead")`` (CUDA graphs); ignored elsewhere.
+        timing: synchronise around each forward to measure ``time_forward`` (one extra device sync per
+            forward on CUDA; turn off for pure throughput runs).
     """
 
-    def __init__(self, model, taps: tuple[int, ...] | None = None, max_len: int | None = None):
+    def __init__(self, model, taps: tuple[int, ...] | None = None, max_len: int | None = None,
+                 cache: str = "auto", static_shapes: bool = False, buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+                 compile: bool = False, timing: bool = True):
         self.model = model.eval()
         self.taps = tuple(int(t) for t in taps) if taps else None
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.config = cfg
         self.vocab_size = int(cfg.vocab_size)
-        self.max_len = int(max_len if max_len is not None else getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.max_len = int(max_len if max_len is not None else getattr(cfg, "max_position_embeddings", 1 << 16))
         if self.taps is not None:
             n_states = int(cfg.num_hidden_layers) + 1
             bad = [t for t in self.taps if not 0 <= t < n_states]
             if bad:
                 raise ValueError(f"taps {bad} out of range: hidden_states has {n_states} entries")
+        if cache not in ("auto", "static", "dynamic"):
+            raise ValueError(f"cache must be auto, static or dynamic (got {cache!r})")
+        why = static_cache_support(model)
+        if cache == "static" and why:
+            raise ValueError(f"static cache unsupported for this model: {why}")
+        self.cache_kind = "static" if (cache != "dynamic" and why is None) else "dynamic"
+        self.static_shapes = bool(static_shapes) and self.cache_kind == "static"
+        self.buckets = sorted(int(b) for b in buckets)
         self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.timing = bool(timing)
         self.time_forward = 0.0  # seconds spent in forward(), accumulated over the runner's life
         self.num_forwards = 0
+        kinds, self.window = _layer_kinds(cfg)
+        self._kinds = kinds or []
+        self._mixed = len(set(self._kinds)) > 1
+        self._sliding = "sliding" in self._kinds
+        if self.cache_kind == "static":
+            slack = self.buckets[-1] if self.static_shapes else 0  # padded rows write past the end
+            self._kv = StaticKVCache(int(cfg.num_hidden_layers), self.max_len + slack)
+            self._neg = torch.finfo(self.dtype if self.dtype.is_floating_point else torch.float32).min
+        self._compiled = None
+        if compile and self.static_shapes and self.device.type == "cuda":
+            self._compiled = torch.compile(self._raw_forward, mode="reduce-overhead", dynamic=False)
         self.reset()
 
+    # ------------------------------------------------------------------------------------------ state
     @property
     def length(self) -> int:
         """Number of positions held by the cache."""
         return self._length
 
     def reset(self) -> None:
-        """Empty the cache (start a new sequence)."""
-        self.cache = DynamicCache(config=self.model.config)
-        self._sliding = any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
-        if self._sliding:
-            # keep past states until crop() so a rollback past the window's edge stays possible
-            self.cache.activate_past_recording()
+        """Empty the cache (start a new sequence). The static cache keeps its buffers."""
+        if self.cache_kind == "static":
+            self.cache = self._kv
+            self._kv.length = 0
+        else:
+            self.cache = DynamicCache(config=self.model.config)
+            self._dyn_sliding = any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
+            if self._dyn_sliding:
+                # keep past states until crop() so a rollback past the window's edge stays possible
+                self.cache.activate_past_recording()
         self._length = 0
 
+    def _set_length(self, n: int) -> None:
+        self._length = n
+        if self.cache_kind == "static":
+            self._kv.length = n
+
+    # ------------------------------------------------------------------------------------------ masks
+    def _mask(self, q_pos: Tensor, tree: Tensor | None, n: int, kv: int, window: int | None) -> Tensor:
+        """Additive mask ``[1, 1, n_rows, kv]`` for ``n`` new positions at slots ``[L, L+n)``.
+
+        q_pos ``[n_rows]`` = positions of the query rows (rows >= n are padding); ``tree`` = bool ``[n, n]``
+        (row i may attend to new slot j), or None for causal. Old slots j < L have position j.
+        """
+        L = self._length
+        rows = q_pos.shape[0]
+        dev = q_pos.device
+        if tree is None and not window and rows == n and kv == L + n:  # plain causal chain: fewer ops
+            m = torch.zeros(n, kv, dtype=self.dtype, device=dev)
+            if n > 1:
+                m[:, L:].masked_fill_(self._upper(n, dev), self._neg)
+            return m[None, None]
+        k_slot = torch.arange(kv, device=dev)
+        allow = (k_slot[None, :] < L).expand(rows, kv).clone()  # the committed prefix
+        if window:
+            allow &= (q_pos[:, None] - k_slot[None, :]) < window
+        new = torch.zeros(rows, kv - L, dtype=torch.bool, device=dev)
+        if tree is None:
+            new[:n, :n] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+        else:
+            new[:n, :n] = tree
+        if window:
+            k_pos_new = q_pos[: kv - L] if rows >= kv - L else torch.cat(
+                [q_pos, q_pos.new_zeros(kv - L - rows)])
+            new &= (q_pos[:, None] - k_pos_new[None, :]) < window
+        allow[:, L:] = new
+        if rows > n:  # padding rows attend to their own slot only (no NaN, no effect on real rows)
+            pad = torch.arange(n, rows, device=dev)
+            allow[pad] = False
+            allow[pad, L + pad] = True
+        m = torch.zeros(rows, kv, dtype=self.dtype, device=dev).masked_fill_(~allow, self._neg)
+        return m[None, None]
+
+    def _upper(self, n: int, dev) -> Tensor:
+        """Cached strictly-upper-triangular bool ``[n, n]`` (the keys a causal row must not see)."""
+        cache = self.__dict__.setdefault("_upper_cache", {})
+        if n not in cache:
+            cache[n] = torch.ones(n, n, dtype=torch.bool, device=dev).triu(1)
+        return cache[n]
+
+    def _mask_arg(self, q_pos, tree, n, kv):
+        if not self._sliding:
+            return self._mask(q_pos, tree, n, kv, None)
+        if not self._mixed:
+            return self._mask(q_pos, tree, n, kv, self.window)
+        return {"full_attention": self._mask(q_pos, tree, n, kv, None),
+                "sliding_attention": self._mask(q_pos, tree, n, kv, self.window)}
+
+    # ------------------------------------------------------------------------------------------ forward
+    def _raw_forward(self, ids: Tensor, pos: Tensor, mask, logits_to_keep: int):
+        out = self.model(
+            input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache, use_cache=True,
+            output_hidden_states=self.taps is not None, logits_to_keep=logits_to_keep,
+        )
+        taps = None
+        if self.taps is not None:
+            taps = torch.cat([out.hidden_states[i][0] for i in self.taps], dim=-1)
+        return out.logits[0], taps
+
     @torch.no_grad()
+    def _run(self, ids: Tensor, depth: Tensor | None, tree: Tensor | None, last_only: bool):
+        n = ids.shape[0]
+        L = self._length
+        if L + n > self.max_len:
+            raise ValueError(f"target cache overflow: {L} + {n} > max_len {self.max_len}")
+        dev = self.device
+        pos = (torch.arange(n, device=dev) if depth is None else depth.to(dev)) + L
+        if self.timing:
+            _sync(dev)
+        t0 = time.perf_counter()
+        if self.cache_kind == "dynamic":
+            if tree is not None and self._dyn_sliding:
+                raise ValueError("tree verification with sliding-window layers needs the static cache")
+            mask = None
+            if tree is not None:  # 4D additive mask over [cache, new]
+                allow = torch.ones(n, L + n, dtype=torch.bool, device=dev)
+                allow[:, L:] = tree
+                mask = torch.zeros(n, L + n, dtype=self.dtype, device=dev).masked_fill_(
+                    ~allow, torch.finfo(self.dtype).min)[None, None]
+            out = self.model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask, cache=self.cache,
+                             use_cache=True, output_hidden_states=self.taps is not None,
+                             **({"logits_to_keep": 1} if last_only else {}))
+            logits = out.logits[0, -1:] if last_only else out.logits[0]
+            taps = None
+            if self.taps is not None:
+                taps = torch.cat([out.hidden_states[i][0] for i in self.taps], dim=-1)
+        else:
+            bucket = next((b for b in self.buckets if b >= n), None) if self.static_shapes else None
+            if bucket is not None:
+                pad = bucket - n
+                ids_p = torch.cat([ids, ids.new_zeros(pad)])
+                pos_p = torch.cat([pos, pos.new_full((pad,), L)])
+                self._kv.write_index = torch.arange(L, L + bucket, device=dev)
+                self._kv.kv_len = self._kv.capacity
+                mask = self._mask_arg(pos_p, tree, n, self._kv.capacity)
+                fn = self._compiled or self._raw_forward
+                logits, taps = fn(ids_p[None], pos_p[None], mask, 0)
+                logits, taps = logits[:n], (None if taps is None else taps[:n])
+                if last_only:
+                    logits = logits[-1:]
+            else:
+                self._kv.write_index = torch.arange(L, L + n, device=dev)
+                self._kv.kv_len = L + n
+                mask = self._mask_arg(pos, tree, n, L + n)
+                logits, taps = self._raw_forward(ids[None], pos[None], mask, 1 if last_only else 0)
+                if last_only:
+                    logits = logits[-1:]
+        logits = logits.float()
+        if self.timing:
+            _sync(dev)
+        self.time_forward += time.perf_counter() - t0
+        self.num_forwards += 1
+        self._set_length(L + n)
+        return logits, taps
+
     def forward(self, input_ids: Tensor | list[int], last_only: bool = False) -> tuple[Tensor, Tensor | None]:
         """Append ``n`` tokens at positions ``[length, length + n)``.
 
@@ -77,38 +354,63 @@ class TargetRunner:
             ``(logits [n, V] float32, taps [n, len(taps) * H] or None)``; logits row i predicts the token
             after input i.
         """
-        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
-        n = ids.shape[1]
-        if self._length + n > self.max_len:
-            raise ValueError(f"target cache overflow: {self._length} + {n} > max_len {self.max_len}")
-        pos = torch.arange(self._length, self._length + n, device=self.device).unsqueeze(0)
-        _sync(self.device)
-        t0 = time.perf_counter()
-        out = self.model(
-            input_ids=ids,
-            position_ids=pos,
-            cache=self.cache,
-            use_cache=True,
-            output_hidden_states=self.taps is not None,
-            **({"logits_to_keep": 1} if last_only else {}),
-        )
-        logits = out.logits[0, -1:] if last_only else out.logits[0]
-        logits = logits.float()  # [n, V] ([1, V] if last_only)
-        taps = None
-        if self.taps is not None:
-            taps = torch.cat([out.hidden_states[i][0] for i in self.taps], dim=-1)  # [n, len(taps)*H]
-        _sync(self.device)
-        self.time_forward += time.perf_counter() - t0
-        self.num_forwards += 1
-        self._length += n
-        return logits, taps
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
+        return self._run(ids, None, None, last_only)
 
+    def forward_tree(self, input_ids, parents: Sequence[int] | Tensor, depths: Sequence[int] | Tensor | None = None,
+                     ancestors: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Run a token tree in one forward: node i sits in slot ``length + i`` at position ``length + depth_i``
+        and attends to the committed prefix and to its ancestors (and itself).
+
+        Args:
+            input_ids: ``[n]`` node tokens; node 0 is the root (the pending token).
+            parents: ``[n]`` parent node of each node (``parents[0] = -1``; ``parents[i] < i``).
+            depths, ancestors: optional precomputed depths ``[n]`` and ancestor-or-self mask ``[n, n]``.
+        Returns:
+            ``(logits [n, V], taps [n, D] or None)``. Afterwards ``length`` includes all n slots: keep the
+            accepted path with :meth:`keep`.
+        """
+        from .tree import ancestor_mask, node_depths
+
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
+        if ancestors is None:
+            ancestors = ancestor_mask(parents)
+        if depths is None:
+            depths = node_depths(parents)
+        depth = torch.as_tensor(depths, dtype=torch.long, device=self.device)
+        return self._run(ids, depth, ancestors.to(self.device), last_only=False)
+
+    # ---------------------------------------------------------------------------------------- rollback
     def truncate(self, n: int) -> None:
         """Roll the cache back so it holds positions ``[0, n)`` only."""
         remove = self._length - n
         if remove < 0 or n < 0:
             raise ValueError(f"cannot truncate a cache of length {self._length} to {n}")
-        # crop(0) is still needed for sliding layers: it trims the recorded past back to the window
-        if remove > 0 or self._sliding:
-            self.cache.crop(-remove)  # transformers' crop takes minus the number of tokens to remove
-        self._length = n
+        if self.cache_kind == "dynamic":
+            # crop(0) is still needed for sliding layers: it trims the recorded past back to the window
+            if remove > 0 or self._dyn_sliding:
+                self.cache.crop(-remove)  # transformers' crop takes minus the number of tokens to remove
+        self._set_length(n)
+
+    def keep(self, indices: Sequence[int] | Tensor, start: int) -> None:
+        """Compact: slots ``< start`` stay; the slots ``indices`` (ascending, all >= start) move to
+        ``start, start+1, ...``; afterwards ``length == start + len(indices)``. Moving slot ``start + i``
+        onto itself is free, so a chain-shaped accepted prefix costs nothing beyond the truncation."""
+        idx = [int(i) for i in (indices.tolist() if isinstance(indices, Tensor) else indices)]
+        if any(i < start or i >= self._length for i in idx) or any(b <= a for a, b in zip(idx, idx[1:])):
+            raise ValueError(f"keep indices must be ascending in [{start}, {self._length}), got {idx}")
+        k = len(idx)
+        moved = [j for j, i in enumerate(idx) if i != start + j]
+        if moved:
+            first = moved[0]
+            src = torch.tensor(idx[first:], dtype=torch.long, device=self.device)
+            if self.cache_kind == "static":
+                self._kv.keep(src, start + first, k - first)
+            else:
+                if self._dyn_sliding:
+                    raise ValueError("tree compaction with sliding-window layers needs the static cache")
+                for layer in self.cache.layers:
+                    if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+                        layer.keys[:, :, start + first : start + k] = layer.keys.index_select(2, src)
+                        layer.values[:, :, start + first : start + k] = layer.values.index_select(2, src)
+        self.truncate(start + k)
