@@ -20,19 +20,54 @@ REPORT_KEYS = (
 )
 
 
-def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, device="cpu"):
-    from .decoding.proposers import (DraftModelProposer, Eagle3ChainProposer, NoDraft, OracleProposer,
-                                     PromptLookupProposer)
+def medusa_choices_for(drafter, decode):
+    """The static Medusa tree to decode with: ``decode.tree.medusa_choices`` if given; else one chosen for
+    ``decode.tree.total_tokens`` nodes from the per-head accuracy the drafter was saved with; else the tree it
+    was saved with; else :data:`drafttrain.decoding.tree.DEFAULT_MEDUSA_CHOICES`."""
+    from .decoding.tree import DEFAULT_MEDUSA_CHOICES, medusa_choices_from_accuracy
 
+    tree = decode.tree
+    if tree.medusa_choices:
+        return [list(c) for c in tree.medusa_choices]
+    acc = getattr(drafter, "head_topk_accuracy", None)
+    if acc:
+        return medusa_choices_from_accuracy(acc, tree.total_tokens, max_depth=min(tree.depth, drafter.num_heads))
+    saved = getattr(drafter, "medusa_choices", None)
+    if saved:
+        return [list(c) for c in saved]
+    return [c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= drafter.num_heads]
+
+
+def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, device="cpu"):
+    """The proposer of ``decode.method``; ``decode.tree.enabled`` selects the tree variant (eagle3, medusa,
+    oracle). Tree proposers draft up to ``decode.tree.depth`` tokens along a path (see
+    :func:`draft_depth`)."""
+    from .decoding.proposers import (DraftModelProposer, Eagle3ChainProposer, Eagle3TreeProposer,
+                                     MedusaChainProposer, MedusaTreeProposer, NoDraft, OracleProposer,
+                                     PromptLookupProposer, StubTreeProposer)
+
+    tree = decode.tree if decode is not None else None
+    use_tree = bool(tree is not None and tree.enabled)
     if method == "eagle3":
         if drafter is None:
             raise DraftTrainError("decode.method=eagle3 needs a drafter (drafter=runs/<run>/final)")
+        if use_tree:
+            return Eagle3TreeProposer(drafter, max_len=max_len, depth=tree.depth, top_k=tree.top_k,
+                                      total_tokens=tree.total_tokens)
         return Eagle3ChainProposer(drafter, max_len=max_len)
+    if method == "medusa":
+        if drafter is None:
+            raise DraftTrainError("decode.method=medusa needs Medusa heads (drafter=runs/<run>/final)")
+        if use_tree:
+            return MedusaTreeProposer(drafter, medusa_choices_for(drafter, decode))
+        return MedusaChainProposer(drafter)
     if method == "ar":
         return NoDraft()
     if method == "pld":
         return PromptLookupProposer(max_ngram=decode.pld_max_ngram, num_tokens=decode.num_draft_tokens)
     if method == "oracle":
+        if use_tree:  # the right path among top_k - 1 wrong siblings per depth: a benchmark of tree verify
+            return StubTreeProposer([], lambda j: True, vocab_size=1 << 62, branching=tree.top_k)
         return OracleProposer([])
     if method == "draft_model":
         if not decode.draft_model:
@@ -41,7 +76,19 @@ def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, d
 
         dm = AutoModelForCausalLM.from_pretrained(decode.draft_model).eval().to(device)
         return DraftModelProposer(dm, max_len=max_len)
-    raise DraftTrainError(f"decode.method={method}: expected one of ar, eagle3, pld, oracle, draft_model")
+    raise DraftTrainError(f"decode.method={method}: expected one of ar, eagle3, medusa, pld, oracle, draft_model")
+
+
+def draft_depth(proposer, decode) -> int:
+    """K of the decoder: draft tokens per round for chains, the maximum tree depth for tree proposers."""
+    if getattr(proposer, "tree", False):
+        return int(getattr(proposer, "depth", None) or decode.tree.depth)
+    return int(decode.num_draft_tokens)
+
+
+def extra_positions(decode) -> int:
+    """Cache slots a round may use beyond the committed tokens."""
+    return max(int(decode.num_draft_tokens), int(decode.tree.total_tokens) if decode.tree.enabled else 0) + 8
 
 
 def _fmt(x, spec=".3f"):
@@ -50,13 +97,15 @@ def _fmt(x, spec=".3f"):
 
 def print_table(report: dict) -> None:
     app = report.get("acceptance_per_position") or []
+    unit = report.get("acceptance_unit", "position")
     rows = [
-        ("method", report["method"]),
+        ("method", report["method"] + (f" ({report['draft_shape']})" if report.get("draft_shape") else "")),
         ("target", report["target"]),
         ("prompts x new tokens", f"{report['prompts']} x {report['new_tokens'] // max(1, report['prompts'])} (avg)"),
         ("draft tokens K / temperature", f"{report['num_draft_tokens']} / {report['temperature']}"),
+        ("verification", report.get("verification", "-")),
         ("alpha (accepted/drafted)", _fmt(report["alpha"])),
-        ("acceptance per position", " ".join(_fmt(a, ".2f") for a in app) or "-"),
+        (f"acceptance per {unit}", " ".join(_fmt(a, ".2f") for a in app) or "-"),
         ("tau (tokens per target forward)", _fmt(report["tau"])),
         ("train-estimated tau", _fmt(report.get("train_estimated_tau"))),
         ("tokens/s speculative | AR", f"{_fmt(report['tokens_per_s'], '.1f')} | "
@@ -66,8 +115,21 @@ def print_table(report: dict) -> None:
                                                    ("frac_target", "frac_draft", "frac_other"))),
         ("greedy outputs == AR", str(report["outputs_match_baseline"])),
     ]
+    for s in report.get("sweep") or []:
+        rows.append((f"  sweep K={s['draft_tokens']}", f"tau {_fmt(s['tau'], '.2f')}, speedup {_fmt(s['speedup'], '.2f')}x"))
     w = max(len(r[0]) for r in rows)
     print("\n".join(["", "=" * (w + 40)] + [f"{k.ljust(w)}  {v}" for k, v in rows] + ["=" * (w + 40)]), flush=True)
+
+
+def _save_fig(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    from .io import atomic_path
+
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
 
 
 def plot_acceptance(report: dict, path: Path) -> None:
@@ -79,76 +141,170 @@ def plot_acceptance(report: dict, path: Path) -> None:
     app = [a if a is not None else float("nan") for a in report.get("acceptance_per_position") or []]
     fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
     ax.bar(range(1, len(app) + 1), app, color="#4C72B0")
-    ax.set_xlabel("draft position")
+    ax.set_xlabel("tree depth" if report.get("acceptance_unit") == "depth" else "draft position")
     ax.set_ylabel("P(accepted | reached)")
     ax.set_ylim(0, 1)
-    ax.set_title(f"{report['method']}: tau={_fmt(report['tau'], '.2f')}, speedup={_fmt(report['speedup'], '.2f')}x",
-                 fontsize=9)
-    fig.tight_layout()
-    from .io import atomic_path
+    ax.set_title(f"{report['method']}: tau={_fmt(report['tau'], '.2f')}, speedup={_fmt(report['speedup'], '.2f')}x"
+                 + (" (LOSSY)" if report.get("lossy") else ""), fontsize=9)
+    _save_fig(fig, path)
 
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
+
+def plot_speedup(report: dict, path: Path) -> None:
+    """Measured speedup (and tau) against the draft length (trees: depth) of the sweep."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sw = report.get("sweep") or []
+    ks = [s["draft_tokens"] for s in sw]
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
+    ax.plot(ks, [s["speedup"] if s["speedup"] is not None else float("nan") for s in sw], "o-", color="#C44E52",
+            label="speedup vs AR")
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+    ax.set_xlabel("tree depth" if report.get("acceptance_unit") == "depth" else "draft tokens K")
+    ax.set_ylabel("speedup (measured)")
+    ax2 = ax.twinx()
+    ax2.plot(ks, [s["tau"] if s["tau"] is not None else float("nan") for s in sw], "s--", color="#4C72B0",
+             label="tau")
+    ax2.set_ylabel("tau")
+    ax.set_title(f"{report['method']}: speedup and tau vs draft length", fontsize=9)
+    _save_fig(fig, path)
+
+
+def sweep_lengths(decode, K: int, proposer) -> list[int]:
+    """Draft lengths of the speedup sweep (``decode.sweep``; None = 1, 2, 4, 8 and K, capped where the
+    proposer cannot draft more)."""
+    if decode.sweep is not None:
+        ks = [int(k) for k in decode.sweep]
+    else:
+        ks = [1, 2, 4, 8, K]
+    cap = getattr(proposer, "depth", None)
+    heads = getattr(getattr(proposer, "heads", None), "num_heads", None)
+    if getattr(proposer, "name", "") == "medusa" and heads:
+        cap = heads
+    return sorted({k for k in ks if k >= 1 and (cap is None or k <= cap)})
+
+
+def verification_label(decode, typical_used: bool) -> str:
+    if decode.temperature <= 0:
+        return "greedy (lossless)"
+    if typical_used:
+        return "typical acceptance (LOSSY: not the target's distribution)"
+    return "rejection sampling (lossless)"
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_dir: Path | None, *,
              method: str, target_name: str, drafter_name: str | None, taps=None,
              train_estimated_tau: float | None = None, extra: dict | None = None) -> dict:
-    """Run AR and speculative decoding on ``prompts`` side by side; return (and write) the report."""
+    """Run AR and speculative decoding on ``prompts`` side by side; return (and write) the report.
+
+    Besides ``report.json`` and ``acceptance.png`` (per position; per depth for trees), a sweep over draft
+    lengths (``decode.sweep``) is timed on the same prompts and plotted as ``speedup.png`` (speedup against
+    the AR baseline of the main run).
+    """
     from .decoding.engine import SpecDecoder, aggregate
     from .decoding.proposers import NoDraft
     from .decoding.target import TargetRunner
 
     if not prompts:
         raise DraftTrainError("no evaluation prompts (data.num_eval / decode.num_prompts is 0?)")
-    max_len = max(len(p) for p in prompts) + decode.max_new_tokens + decode.num_draft_tokens + 8
+    if decode.cache not in ("auto", "static", "dynamic"):
+        raise DraftTrainError(f"decode.cache={decode.cache}: expected auto, static or dynamic")
+    max_len = max(len(p) for p in prompts) + decode.max_new_tokens + extra_positions(decode)
     eos = [t for t in {tokenizer.eos_token_id, *(_gen_eos(model))} if t is not None]
     kw = dict(temperature=decode.temperature, top_k=decode.top_k, top_p=decode.top_p)
-    ar = SpecDecoder(TargetRunner(model, taps=None, max_len=max_len), NoDraft(), 0, seed=decode.seed, **kw)
-    spec = SpecDecoder(TargetRunner(model, taps=taps, max_len=max_len), proposer, decode.num_draft_tokens,
-                       seed=decode.seed, **kw)
+    rkw = dict(max_len=max_len, cache=decode.cache, static_shapes=decode.static_shapes, compile=decode.compile)
+    try:
+        ar_runner = TargetRunner(model, taps=None, **rkw)
+        sp_runner = TargetRunner(model, taps=taps, **rkw)
+    except ValueError as e:
+        raise DraftTrainError(f"decode.cache={decode.cache}: {e}") from None
+    K = draft_depth(proposer, decode)
+    is_tree = bool(getattr(proposer, "tree", False))
+    typical = bool(decode.typical_acceptance)
+    ar = SpecDecoder(ar_runner, NoDraft(), 0, seed=decode.seed, **kw)
+    spec = SpecDecoder(sp_runner, proposer, K, seed=decode.seed, typical=typical,
+                       typical_epsilon=decode.typical_epsilon, typical_delta=decode.typical_delta, **kw)
     is_oracle = method == "oracle"
+    if hasattr(proposer, "agree_fn"):  # the oracle tree's wrong siblings must be real token ids
+        proposer.vocab_size = sp_runner.vocab_size
 
-    def run_spec(i, p, ref):
+    def run_spec(dec, i, p, ref):
         if is_oracle:
             proposer.set_reference(ref)
-        return spec.generate(p, decode.max_new_tokens, eos, seed=decode.seed + i)
+        return dec.generate(p, decode.max_new_tokens, eos, seed=decode.seed + i)
 
     for _ in range(decode.warmup):  # untimed: first calls pay for allocation and lazy initialisation
         ref = ar.generate(prompts[0], min(16, decode.max_new_tokens), eos, seed=decode.seed)
-        run_spec(0, prompts[0], ref.tokens)
+        run_spec(spec, 0, prompts[0], ref.tokens)
     ar_res, sp_res, match = [], [], []
+    refs: list[list[int]] = []
     for rep in range(decode.repeats):
         for i, p in enumerate(prompts):
             if is_oracle or (i + rep) % 2 == 0:  # alternate the order; the oracle needs AR first
                 a = ar.generate(p, decode.max_new_tokens, eos, seed=decode.seed + i)
-                s = run_spec(i, p, a.tokens)
+                s = run_spec(spec, i, p, a.tokens)
             else:
-                s = run_spec(i, p, None)
+                s = run_spec(spec, i, p, None)
                 a = ar.generate(p, decode.max_new_tokens, eos, seed=decode.seed + i)
             ar_res.append(a)
             sp_res.append(s)
             match.append(a.tokens == s.tokens)
+            if rep == 0:
+                refs.append(a.tokens)
     A, S = aggregate(ar_res), aggregate(sp_res)
     greedy = decode.temperature == 0
+    speedup = (S["tokens_per_s"] / A["tokens_per_s"]) if S["tokens_per_s"] and A["tokens_per_s"] else None
+
+    sweep = []
+    if method != "ar" and decode.sweep_prompts > 0:
+        # on the first sweep_prompts prompts, against the AR times of the same prompts (first repeat)
+        m = min(decode.sweep_prompts, len(prompts))
+        base = aggregate(ar_res[:m])["tokens_per_s"]
+        saved_num_tokens = getattr(proposer, "num_tokens", None)
+        for k in sweep_lengths(decode, K, proposer):
+            if saved_num_tokens is not None:  # prompt lookup caps its drafts at num_tokens
+                proposer.num_tokens = k
+            dec = SpecDecoder(sp_runner, proposer, k, seed=decode.seed, typical=typical,
+                              typical_epsilon=decode.typical_epsilon, typical_delta=decode.typical_delta, **kw)
+            agg = aggregate([run_spec(dec, i, p, refs[i]) for i, p in enumerate(prompts[:m])])
+            sweep.append({"draft_tokens": k, "tau": agg["tau"], "alpha": agg["alpha"],
+                          "tokens_per_s": agg["tokens_per_s"],
+                          "speedup": agg["tokens_per_s"] / base if base and agg["tokens_per_s"] else None})
+        if saved_num_tokens is not None:
+            proposer.num_tokens = saved_num_tokens
+
+    if is_tree:
+        shape = {"kind": "tree", "depth": K, "nodes_per_round": S["nodes_per_round"]}
+        if hasattr(proposer, "top_k"):
+            shape.update(top_k=proposer.top_k, total_tokens=proposer.total_tokens)
+        if hasattr(proposer, "structure"):
+            shape.update(medusa_choices=proposer.structure.choices)
+        shape_str = f"tree depth {K}, {_fmt(S['nodes_per_round'], '.1f')} nodes/round"
+    else:
+        shape = {"kind": "chain", "num_draft_tokens": K}
+        shape_str = f"chain K={K}"
     report = {
         "method": method,
         "target": target_name,
         "drafter": drafter_name,
         "prompts": len(prompts),
         "new_tokens": S["num_new_tokens"] // max(1, decode.repeats),
-        "num_draft_tokens": decode.num_draft_tokens,
+        "num_draft_tokens": K,
         "temperature": decode.temperature,
         "top_k": decode.top_k,
         "top_p": decode.top_p,
+        "verification": verification_label(decode, S["lossy"]),
+        "lossy": S["lossy"],
         "alpha": S["alpha"],
+        "acceptance_unit": "depth" if is_tree else "position",
         "acceptance_per_position": S["acceptance_per_position"],
         "tau": S["tau"],
         "tokens_per_s": S["tokens_per_s"],
         "baseline_tokens_per_s": A["tokens_per_s"],
-        "speedup": (S["tokens_per_s"] / A["tokens_per_s"]) if S["tokens_per_s"] and A["tokens_per_s"] else None,
+        "speedup": speedup,
         "outputs_match_baseline": all(match) if greedy else None,
         "train_estimated_tau": train_estimated_tau,
         "frac_target": S["frac_target"],
@@ -158,11 +314,19 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
         "time_draft_s": S["time_draft"],
         "time_other_s": S["time_other"],
         "baseline_time_s": A["time_total"],
+        "draft_shape": shape_str,
+        "draft_tree" if is_tree else "draft_chain": shape,
+        "nodes_per_round": S["nodes_per_round"],
+        "sweep": sweep,
+        "cache": sp_runner.cache_kind,
+        "static_shapes": sp_runner.static_shapes,
         "repeats": decode.repeats,
         "device": str(next(model.parameters()).device),
         "mismatched_prompts": [i for i, m in enumerate(match) if not m] if greedy else [],
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    if is_tree:
+        report["acceptance_per_depth"] = S["acceptance_per_position"]
     if extra:
         report.update(extra)
     print_table(report)
@@ -171,6 +335,8 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
         write_json(run_dir / "report.json", report)
         if decode.plot and report["acceptance_per_position"]:
             plot_acceptance(report, run_dir / "acceptance.png")
+        if decode.plot and sweep:
+            plot_speedup(report, run_dir / "speedup.png")
         print(f"[drafttrain] report: {run_dir / 'report.json'}", flush=True)
     return report
 
@@ -197,7 +363,7 @@ def evaluate_drafter(model, tokenizer, drafter, decode, eval_convs, run_dir, *, 
     """The end-of-training evaluation (also used by ``drafttrain eval``)."""
     drafter.eval()
     prompts = eval_prompt_ids(tokenizer, eval_convs, decode.num_prompts)
-    max_len = max(len(p) for p in prompts) + decode.max_new_tokens + decode.num_draft_tokens + 8
+    max_len = max(len(p) for p in prompts) + decode.max_new_tokens + extra_positions(decode)
     method = decode.method
     proposer = make_proposer(method, drafter=drafter, decode=decode, max_len=max_len)
     taps = tuple(drafter.config.tap_layers) if method == "eagle3" else None
@@ -268,7 +434,7 @@ def run_eval(cfg) -> dict:
         return evaluate_drafter(model, tokenizer, drafter, job.decode, convs, run_dir, target_name=tname,
                                 drafter_name=job.drafter)
     prompts = eval_prompt_ids(tokenizer, convs, job.decode.num_prompts)
-    max_len = max(len(p) for p in prompts) + job.decode.max_new_tokens + job.decode.num_draft_tokens + 8
+    max_len = max(len(p) for p in prompts) + job.decode.max_new_tokens + extra_positions(job.decode)
     proposer = make_proposer(job.decode.method, decode=job.decode, max_len=max_len,
                              device=next(model.parameters()).device)
     return evaluate(model, tokenizer, prompts, proposer, job.decode, run_dir, method=job.decode.method,
