@@ -70,6 +70,8 @@ def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, d
             return StubTreeProposer([], lambda j: True, vocab_size=1 << 62, branching=tree.top_k)
         return OracleProposer([])
     if method == "draft_model":
+        if drafter is not None:  # a distilled draft (recipe=distill), already loaded
+            return DraftModelProposer(drafter, max_len=max_len)
         if not decode.draft_model:
             raise DraftTrainError("decode.method=draft_model needs decode.draft_model=<dir of a causal LM>")
         from transformers import AutoModelForCausalLM
@@ -359,16 +361,28 @@ def eval_prompt_ids(tokenizer, convs, limit: int) -> list[list[int]]:
 
 
 def evaluate_drafter(model, tokenizer, drafter, decode, eval_convs, run_dir, *, target_name, drafter_name,
-                     train_estimated_tau=None) -> dict:
-    """The end-of-training evaluation (also used by ``drafttrain eval``)."""
+                     train_estimated_tau=None, extra: dict | None = None) -> dict:
+    """The end-of-training evaluation (also used by ``drafttrain eval``).
+
+    ``drafter``: an ``Eagle3Drafter`` (decode.method=eagle3), ``MedusaHeads`` (medusa) or an HF causal LM
+    (draft_model). ``model`` is the target that verifies (for Medusa-2: the adapted target). ``extra``:
+    keys added to the report (e.g. ``target_modified``)."""
     drafter.eval()
     prompts = eval_prompt_ids(tokenizer, eval_convs, decode.num_prompts)
     max_len = max(len(p) for p in prompts) + decode.max_new_tokens + extra_positions(decode)
     method = decode.method
-    proposer = make_proposer(method, drafter=drafter, decode=decode, max_len=max_len)
-    taps = tuple(drafter.config.tap_layers) if method == "eagle3" else None
+    proposer = make_proposer(method, drafter=drafter, decode=decode, max_len=max_len,
+                             device=next(model.parameters()).device)
+    if method == "eagle3":
+        taps = tuple(drafter.config.tap_layers)
+    elif method == "medusa":  # the heads read the last hidden state (post-norm in transformers 5)
+        from .targets.load import num_layers
+
+        taps = (num_layers(model),)
+    else:
+        taps = None
     return evaluate(model, tokenizer, prompts, proposer, decode, run_dir, method=method, target_name=target_name,
-                    drafter_name=drafter_name, taps=taps, train_estimated_tau=train_estimated_tau)
+                    drafter_name=drafter_name, taps=taps, train_estimated_tau=train_estimated_tau, extra=extra)
 
 
 def load_drafter(path: str, device):
@@ -378,6 +392,16 @@ def load_drafter(path: str, device):
         from .drafters.eagle3 import Eagle3Drafter
 
         return Eagle3Drafter.from_pretrained(path, device=device)
+    if kind == "draft_lm":  # recipe=distill: a plain HF causal LM directory
+        from transformers import AutoModelForCausalLM
+
+        try:
+            return AutoModelForCausalLM.from_pretrained(path).eval().to(device)
+        except (OSError, ValueError) as e:
+            raise DraftTrainError(f"{path}: cannot load the draft model ({e})".splitlines()[0]) from None
+    if kind in ("medusa", "medusa2"):
+        raise DraftTrainError(f"{path}: a {kind} drafter is loaded with its target (drafttrain.training.medusa."
+                              "load_medusa)")
     raise DraftTrainError(f"{path}/config.json: unknown drafter_type {kind!r}")
 
 
@@ -421,18 +445,33 @@ def run_eval(cfg) -> dict:
             raise DraftTrainError(
                 f"drafter={job.drafter} was trained for target {recorded}, but target={tname} was given"
             )
-        drafter = load_drafter(job.drafter, next(model.parameters()).device)
-        if drafter.config.vocab_size != model.get_output_embeddings().weight.shape[0]:
+        kind = read_json(Path(job.drafter) / "config.json").get("drafter_type")
+        implied = {"eagle3": "eagle3", "medusa": "medusa", "medusa2": "medusa", "draft_lm": "draft_model"}
+        if kind in implied and job.decode.method != implied[kind]:
+            if job.decode.method != "eagle3":  # eagle3 is the default: infer the method from the drafter
+                raise DraftTrainError(f"drafter={job.drafter} is a {kind} drafter; decode.method="
+                                      f"{job.decode.method} cannot use it (use decode.method={implied[kind]})")
+            job.decode.method = implied[kind]
+        extra = None
+        if kind in ("medusa", "medusa2"):  # Medusa-2 also changes the target: merge its LoRA adapter
+            from .training.medusa import load_medusa
+
+            model, drafter, extra = load_medusa(job.drafter, model, next(model.parameters()).device)
+            dvocab = drafter.vocab_size
+        else:
+            drafter = load_drafter(job.drafter, next(model.parameters()).device)
+            dvocab = drafter.config.vocab_size
+        if dvocab != model.get_output_embeddings().weight.shape[0]:
             raise DraftTrainError(
-                f"drafter vocabulary ({drafter.config.vocab_size}) differs from the target's "
+                f"drafter vocabulary ({dvocab}) differs from the target's "
                 f"({model.get_output_embeddings().weight.shape[0]})"
             )
     convs = eval_conversations(job.data)
-    if drafter is None and job.decode.method == "eagle3":
-        raise DraftTrainError("decode.method=eagle3 needs drafter=<saved drafter directory>")
+    if drafter is None and job.decode.method in ("eagle3", "medusa"):
+        raise DraftTrainError(f"decode.method={job.decode.method} needs drafter=<saved drafter directory>")
     if drafter is not None:
         return evaluate_drafter(model, tokenizer, drafter, job.decode, convs, run_dir, target_name=tname,
-                                drafter_name=job.drafter)
+                                drafter_name=job.drafter, extra=extra)
     prompts = eval_prompt_ids(tokenizer, convs, job.decode.num_prompts)
     max_len = max(len(p) for p in prompts) + job.decode.max_new_tokens + extra_positions(job.decode)
     proposer = make_proposer(job.decode.method, decode=job.decode, max_len=max_len,
