@@ -31,11 +31,13 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ..io import DraftTrainError
@@ -277,7 +279,11 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """xgrammar's packed int32 bitmask ``[..., ceil(V/32)]`` -> bool ``[..., V]`` (True = allowed)."""
+    """xgrammar's packed int32 bitmask ``[..., ceil(V/32)]`` (bit ``j % 32`` of word ``j // 32`` = token ``j``)
+    -> bool ``[..., V]`` (True = allowed), on the bitmask's device."""
+    if bitmask.device.type == "cpu" and sys.byteorder == "little":
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
+        return torch.from_numpy(bits[..., :vocab_size].astype(np.bool_))
     bits = (bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1
     return bits.flatten(-2)[..., :vocab_size].bool()
 
@@ -300,6 +306,8 @@ class DraftMasks:
 
     masks: torch.Tensor  # bool [N + 1, V]
     valid: torch.Tensor  # bool [N]
+    bitmasks: torch.Tensor  # the same masks packed as xgrammar does: int32 [N + 1, ceil(V / 32)] (8x smaller
+    # to copy to a GPU; xgrammar.apply_token_bitmask_inplace applies them there)
 
     @property
     def num_valid_prefix(self) -> int:
@@ -321,6 +329,7 @@ class GrammarState:
         self._buf = xgr.allocate_token_bitmask(1, self.vocab_size)
         self._num_accepted = _num_accepted
         self._cached: torch.Tensor | None = None  # allowed mask of the current state
+        self._cached_packed: torch.Tensor | None = None  # its packed bitmask
 
     # -- state ------------------------------------------------------------------------------------------
     @property
@@ -353,7 +362,7 @@ class GrammarState:
             return False
         if n:
             self._num_accepted += n
-            self._cached = None
+            self._invalidate()
         return True
 
     def rollback(self, n: int) -> None:
@@ -363,12 +372,12 @@ class GrammarState:
         if n:
             self._m.rollback(n)
             self._num_accepted -= n
-            self._cached = None
+            self._invalidate()
 
     def reset(self) -> None:
         self._m.reset()
         self._num_accepted = 0
-        self._cached = None
+        self._invalidate()
 
     def fork(self) -> "GrammarState":
         """An independent copy (same compiled grammar, deep-copied matcher state and history)."""
@@ -389,17 +398,25 @@ class GrammarState:
             self.rollback(self._num_accepted - start)
 
     # -- masks ------------------------------------------------------------------------------------------
-    def _fill(self) -> torch.Tensor:
-        if self._m.is_terminated():
-            return torch.zeros(self.vocab_size, dtype=torch.bool)
-        self._m.fill_next_token_bitmask(self._buf)
-        return unpack_bitmask(self._buf[0], self.vocab_size)
+    def _invalidate(self) -> None:
+        self._cached = self._cached_packed = None
+
+    def bitmask(self) -> torch.Tensor:
+        """The current state's mask packed: int32 ``[ceil(V/32)]`` (all zero once terminated). Cached until the
+        state changes; do not modify it."""
+        if self._cached_packed is None:
+            if self._m.is_terminated():
+                self._buf.zero_()
+            else:
+                self._m.fill_next_token_bitmask(self._buf)
+            self._cached_packed = self._buf[0].clone()
+        return self._cached_packed
 
     def allowed_mask(self) -> torch.Tensor:
         """bool ``[V]`` on CPU: the tokens allowed next (all False once terminated). Cached until the state
         changes; do not modify it."""
         if self._cached is None:
-            self._cached = self._fill()
+            self._cached = unpack_bitmask(self.bitmask(), self.vocab_size)
         return self._cached
 
     def allowed(self, token: int) -> bool:
@@ -434,9 +451,9 @@ class GrammarState:
             if not -1 <= p < i:
                 raise ValueError(f"tree_masks: parents[{i}]={p} must be in [-1, {i}) (topological order)")
             children[p + 1].append(i)
-        masks = torch.zeros(n + 1, self.vocab_size, dtype=torch.bool)
+        packed = torch.zeros(n + 1, self._buf.shape[-1], dtype=self._buf.dtype)
         valid = torch.zeros(n, dtype=torch.bool)
-        masks[0] = self.allowed_mask()
+        packed[0] = self.bitmask()
         start = self._num_accepted
         stack = [(c, 0) for c in reversed(children[0])]  # (node, depth of its parent)
         depth = 0  # tokens accepted on the current path
@@ -446,17 +463,18 @@ class GrammarState:
                 if depth > pdepth:
                     self.rollback(depth - pdepth)
                     depth = pdepth
-                if not masks[pars[i] + 1, toks[i]]:
+                t = toks[i]
+                if not 0 <= t < self.vocab_size or not (int(packed[pars[i] + 1, t >> 5]) >> (t & 31)) & 1:
                     continue  # invalid node: its row and its subtree stay all-False
                 if not self.advance([toks[i]]):  # pragma: no cover - the mask said it was allowed
                     raise RuntimeError(f"xgrammar rejected token {toks[i]} its own mask allowed")
                 depth += 1
                 valid[i] = True
-                masks[i + 1] = self.allowed_mask()
+                packed[i + 1] = self.bitmask()
                 stack.extend((c, depth) for c in reversed(children[i + 1]))
         finally:
             self.rollback(self._num_accepted - start)
-        return DraftMasks(masks, valid)
+        return DraftMasks(unpack_bitmask(packed, self.vocab_size), valid, packed)
 
 
 def _as_list(tokens) -> list[int]:
