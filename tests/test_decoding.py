@@ -288,7 +288,8 @@ class CheckedDraftModel(DraftModelProposer):
     """Before each proposal, checks that greedy drafts equal a fresh greedy continuation by the draft model."""
 
     def propose(self, tokens, k, sampling):
-        drafts, q = super().propose(tokens, k, sampling)
+        drafts_out, q = super().propose(tokens, k, sampling)
+        drafts = drafts_out.tolist() if torch.is_tensor(drafts_out) else list(drafts_out)
         logits, _ = full_forward(self.runner.model, list(tokens) + drafts[:-1])
         logits = logits[len(tokens) - 1 :]  # [len(drafts), V]: the draft model's logits before each draft
         if sampling.greedy:
@@ -297,9 +298,9 @@ class CheckedDraftModel(DraftModelProposer):
             # q is exactly the processed distribution each draft was sampled from
             torch.testing.assert_close(q, sampling.process(logits), atol=1e-4, rtol=1e-4)
             assert bool((q[torch.arange(len(drafts)), torch.tensor(drafts)] > 0).all())
-        assert self.runner.length == len(self._cached) == len(tokens) + len(drafts) - 1
+        assert self.runner.length == len(self._cached) + len(self._unsynced) == len(tokens) + len(drafts) - 1
         self.checks = getattr(self, "checks", 0) + 1
-        return drafts, q
+        return drafts_out, q
 
 
 class CheckedEagle3(Eagle3ChainProposer):
@@ -315,7 +316,8 @@ class CheckedEagle3(Eagle3ChainProposer):
         hidden = self.drafter.fuse(taps.unsqueeze(0))
         logits, h = self.drafter.step(torch.tensor([tokens[1:]]), hidden, fresh)
         torch.testing.assert_close(self._next_logits, logits[0, -1], atol=2e-4, rtol=2e-4)
-        drafts, q = super().propose(tokens, k, sampling)
+        drafts_out, q = super().propose(tokens, k, sampling)
+        drafts = drafts_out.tolist() if torch.is_tensor(drafts_out) else list(drafts_out)
         # d_2 comes from (d_1, the drafter's own output hidden) at position n
         rows = [logits[0, -1]]
         if len(drafts) >= 2:
@@ -326,7 +328,7 @@ class CheckedEagle3(Eagle3ChainProposer):
         else:  # q is the processed distribution (in the target vocabulary) the drafts were sampled from
             torch.testing.assert_close(q[:2], sampling.process(z), atol=1e-4, rtol=1e-4)
         self.checks = getattr(self, "checks", 0) + 1
-        return drafts, q
+        return drafts_out, q
 
 
 class OracleEagle3(nn.Module):
@@ -568,7 +570,7 @@ def test_speculative_sampling_preserves_target_distribution(name, T, k, p):
 def test_distribution_check_has_power(monkeypatch):
     """Negative control: with a biased verifier (resample from p instead of the residual), the χ² fails."""
 
-    def biased(d, q, p, g):
+    def biased(d, q, p, g, **kw):
         a, _ = verify_chain_sampling(d, q, p, g)
         return a, int(torch.multinomial(p[a], 1, generator=g))
 

@@ -324,6 +324,19 @@ def test_static_shapes_path_matches(setup):
         assert res.tokens == setup.ar, name
     runner = TargetRunner(setup.model, max_len=256, static_shapes=True, buckets=(4,))
     assert SpecDecoder(runner, NoDraft(), 0).generate(setup.prompt, N_NEW).tokens == setup.ar
+    # the EAGLE-3 draft steps with static shapes (whole-buffer attention under a mask) draft the same tokens
+    runner = TargetRunner(setup.model, taps=TAPS, max_len=256, static_shapes=True, buckets=(1, 4, 16))
+    for eager, static in [
+        (Eagle3ChainProposer(setup.drafter, max_len=256), Eagle3ChainProposer(setup.drafter, max_len=256,
+                                                                                static_shapes=True)),
+        (Eagle3TreeProposer(setup.drafter, max_len=256, depth=4, top_k=3, total_tokens=10),
+         Eagle3TreeProposer(setup.drafter, max_len=256, depth=4, top_k=3, total_tokens=10, static_shapes=True)),
+    ]:
+        a = SpecDecoder(setup.runner if not getattr(eager, "tree", False) else TargetRunner(
+            setup.model, taps=TAPS, max_len=256), eager, 4).generate(setup.prompt, N_NEW)
+        b = SpecDecoder(runner, static, 4).generate(setup.prompt, N_NEW)
+        assert a.tokens == b.tokens == setup.ar
+        assert a.accepted_per_position == b.accepted_per_position and a.num_tree_nodes == b.num_tree_nodes
 
 
 def test_builtin_target_tree_methods(tiny_builtin_target):
@@ -598,3 +611,14 @@ def test_cuda_graph_path_matches_eager():
     prop = StubTreeProposer(ar, lambda j: j % 3 != 2, V, branching=2)
     res = SpecDecoder(runner, prop, 4).generate(prompt, N_NEW)
     assert res.tokens == ar
+    # EAGLE-3 draft steps captured too (static shapes + reduce-overhead), chain and tree
+    from .test_decoding import make_drafter
+
+    drafter = make_drafter(model.cpu()).cuda()
+    model.cuda()
+    runner = TargetRunner(model, taps=TAPS, max_len=256, static_shapes=True, compile=True, buckets=(1, 8, 16),
+                          timing=False)
+    for prop in (Eagle3ChainProposer(drafter, max_len=256, static_shapes=True, compile=True),
+                 Eagle3TreeProposer(drafter, max_len=256, depth=4, top_k=3, total_tokens=12, static_shapes=True,
+                                    compile=True)):
+        assert SpecDecoder(runner, prop, 4).generate(prompt, N_NEW).tokens == ar

@@ -179,24 +179,31 @@ class SpecDecoder:
                     self._timed(proposer.accept, tokens, a, taps)
                 continue
             drafts, q = self._timed(proposer.propose, tokens, k, sp) if k > 0 else ([], None)
-            drafts = [int(t) for t in drafts[:k]]
-            n = len(drafts)
-            logits, taps = target.forward([tokens[-1]] + drafts)  # [n+1, V]
+            # drafts may be a device tensor: they stay on the device until the round's one host sync
+            if isinstance(drafts, torch.Tensor):
+                d = drafts.reshape(-1)[:k].to(device=target.device, dtype=torch.long)
+            else:
+                d = torch.tensor([int(t) for t in drafts[:k]], dtype=torch.long, device=target.device)
+            n = d.shape[0]
+            pending = torch.tensor([tokens[-1]], dtype=torch.long, device=target.device)
+            logits, taps = target.forward(torch.cat([pending, d]))  # [n+1, V]
             if sp.greedy:
-                a, b = verify_chain_greedy(drafts, logits)
+                a, b = verify_chain_greedy(d, logits, device_result=True)
             elif self.typical:
-                path, b = verify_tree_typical(DraftTree.chain(drafts), sp.process(logits), self.typical_epsilon,
+                path, b = verify_tree_typical(DraftTree.chain(d.tolist()), sp.process(logits), self.typical_epsilon,
                                               self.typical_delta, self.generator)
-                a = len(path)
+                a, b = torch.tensor(len(path)), torch.tensor(b)
             else:
                 p = sp.process(logits)
                 V = p.shape[-1]
                 if q is None:  # deterministic drafts: q is one-hot
-                    d = torch.tensor(drafts, dtype=torch.long, device=p.device)
-                    q = torch.nn.functional.one_hot(d, V).float()
+                    q = torch.nn.functional.one_hot(d.to(p.device), V).float()
                 elif q.dim() != 2 or q.shape[0] < n or q.shape[1] != V:
                     raise ValueError(f"proposer {proposer.name!r} returned q {tuple(q.shape)}, expected ({n}, {V})")
-                a, b = verify_chain_sampling(drafts, q[:n], p, self.generator)
+                a, b = verify_chain_sampling(d, q[:n], p, self.generator, device_result=True)
+            a, b = (torch.as_tensor(x).reshape(1).to(device=d.device, dtype=torch.long) for x in (a, b))
+            host = torch.cat([a, b, d]).tolist()  # the round's one host sync
+            a, b, drafts = host[0], host[1], host[2:]
             target.truncate(len(tokens) + a)  # keep x_0..x_{n-1} (incl. the old pending) and d_1..d_a
 
             res.num_rounds += 1

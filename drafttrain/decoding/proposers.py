@@ -38,8 +38,9 @@ class Proposer(Protocol):
         """After the target prefilled the prompt: ``target_taps [len(prompt), D]`` at the prompt positions,
         ``first_token`` = the token the target produced after the prompt (the pending token)."""
 
-    def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> tuple[list[int], Tensor | None]:
-        """Up to ``k`` draft tokens (possibly fewer, even none) and, if stochastic, q ``[len, V]``."""
+    def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> tuple[list[int] | Tensor, Tensor | None]:
+        """Up to ``k`` draft tokens (possibly fewer, even none; a list or a 1-D LongTensor that may stay on the
+        device) and, if stochastic, q ``[len, V]``."""
 
     def accept(self, tokens: list[int], num_accepted: int, target_taps: Tensor | None) -> None:
         """After verification: ``tokens`` = committed tokens (the new pending token last); ``target_taps``
@@ -173,6 +174,7 @@ class DraftModelProposer:
         self.runner.reset()
         self._cached: list[int] = []  # tokens whose entries are in the draft cache, in order
         self._committed = 0  # leading entries of _cached known to be committed tokens (never change)
+        self._unsynced: Tensor | None = None  # last drafts fed to the cache, not yet read to the host
 
     def prefill(self, prompt_ids, target_taps, first_token) -> None:
         pass  # the prompt is fed lazily by the first propose (together with the pending token)
@@ -188,6 +190,9 @@ class DraftModelProposer:
 
     def _rollback(self, tokens: list[int]) -> None:
         """Truncate the draft cache to its longest prefix agreeing with ``tokens`` (minus the last)."""
+        if self._unsynced is not None:
+            self._cached.extend(self._unsynced.tolist())
+            self._unsynced = None
         n = min(len(self._cached), len(tokens) - 1)
         i = min(self._committed, n)
         while i < n and self._cached[i] == tokens[i]:
@@ -221,12 +226,33 @@ class DraftModelProposer:
             if i + 1 < k:
                 logits, _ = self.runner.forward(d.reshape(1, 1))
                 logits = logits[-1]
-        draft_list = torch.stack(drafts).tolist()  # one host sync per proposal
-        self._cached.extend(draft_list[:-1])
-        return draft_list, (torch.stack(qs) if qs else None)
+        drafts_t = torch.stack(drafts)
+        self._unsynced = drafts_t[:-1]  # fed to the draft cache; read at the next rollback (after the round)
+        return drafts_t, (torch.stack(qs) if qs else None)
 
     def accept(self, tokens, num_accepted, target_taps) -> None:
         self._rollback(tokens)
+
+
+@torch.no_grad()
+def eagle3_step_static(drafter, input_ids: Tensor, hidden: Tensor, cache_k: list[Tensor], cache_v: list[Tensor],
+                       position_ids: Tensor, write_index: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``Eagle3Drafter.step`` with static shapes: the new K/V go to slots ``write_index [n]`` of the
+    preallocated ``cache_k/cache_v`` (per layer ``[1, Hkv, max_len, D]``) and attention reads the whole buffer
+    under ``mask [1, n, max_len]`` (True = attend). Same math as ``step``; every shape is fixed by (n,
+    max_len), so the call can be captured in a CUDA graph."""
+    from drafttrain.drafters.eagle3 import masked_attention
+
+    dtype = drafter.fc.weight.dtype
+    emb = drafter.embed_tokens(input_ids).to(dtype)
+    cos, sin = drafter.rotary(position_ids, dtype)
+    h = hidden.to(dtype)
+    for li, layer in enumerate(drafter.layers):
+        q, k, v = layer.self_attn.qkv(layer.attn_input(emb, h), cos, sin)
+        cache_k[li].index_copy_(2, write_index, k.to(cache_k[li].dtype))
+        cache_v[li].index_copy_(2, write_index, v.to(cache_v[li].dtype))
+        h = layer.finish(masked_attention(q, cache_k[li].to(q.dtype), cache_v[li].to(q.dtype), mask), h)
+    return drafter.compute_logits(h), h
 
 
 class Eagle3ChainProposer:
@@ -243,17 +269,43 @@ class Eagle3ChainProposer:
         drafter: object with ``new_cache``, ``fuse``, ``step`` and ``logits_to_target`` (see the module
             ``drafttrain.drafters.eagle3``).
         max_len: capacity of the drafter's cache (target max length + K is enough).
+        static_shapes: run the per-token draft steps with static shapes (:func:`eagle3_step_static`: write
+            by index, attend over the whole preallocated cache with a mask), as CUDA graphs need.
+        compile: on CUDA with ``static_shapes``, capture that step with
+            ``torch.compile(mode="reduce-overhead")``.
     """
 
     name = "eagle3"
     stochastic = True
 
-    def __init__(self, drafter, max_len: int = 4096):
+    def __init__(self, drafter, max_len: int = 4096, static_shapes: bool = False, compile: bool = False):
         self.drafter = drafter
         self.max_len = int(max_len)
         p = next(drafter.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.static_shapes = bool(static_shapes)
+        self._step_static = eagle3_step_static
+        if compile and self.static_shapes and self.device.type == "cuda":
+            self._step_static = torch.compile(eagle3_step_static, mode="reduce-overhead", dynamic=False)
         self.reset()
+
+    def _draft_step(self, ids: Tensor, hidden: Tensor, pos: Tensor, attn_mask: Tensor | None = None):
+        """One drafting step of ``n`` new entries (``attn_mask [1, n, L + n]``; None = causal)."""
+        if not self.static_shapes:
+            return self.drafter.step(ids, hidden, self.cache, position_ids=pos, attn_mask=attn_mask)
+        L, n, cap = self.cache.length, ids.shape[1], self.cache.max_len
+        if L + n > cap:
+            raise ValueError(f"draft cache overflow: {L} + {n} > {cap}")
+        full = torch.zeros(1, n, cap, dtype=torch.bool, device=self.device)
+        if attn_mask is None:
+            full[0, :, :L] = True
+            full[0, :, L : L + n] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        else:
+            full[:, :, : L + n] = attn_mask.to(self.device)
+        write = torch.arange(L, L + n, device=self.device)
+        out = self._step_static(self.drafter, ids, hidden, self.cache.k, self.cache.v, pos, write, full)
+        self.cache.length = L + n
+        return out
 
     def reset(self) -> None:
         self.cache = None
@@ -297,9 +349,9 @@ class Eagle3ChainProposer:
             drafts.append(d)
             if i + 1 < k:
                 pos = torch.tensor([[self._n + i]], device=self.device)
-                out, hidden = self.drafter.step(d.reshape(1, 1), hidden, self.cache, position_ids=pos)
+                out, hidden = self._draft_step(d.reshape(1, 1), hidden, pos)
                 logits = out[0, -1]
-        return torch.stack(drafts).tolist(), (torch.stack(qs) if qs else None)  # one host sync
+        return torch.stack(drafts), (torch.stack(qs) if qs else None)  # a device tensor: no host sync
 
     @torch.no_grad()
     def accept(self, tokens, num_accepted, target_taps) -> None:
@@ -335,12 +387,14 @@ class Eagle3TreeProposer(Eagle3ChainProposer):
     stochastic = False
     tree = True
 
-    def __init__(self, drafter, max_len: int = 4096, depth: int = 6, top_k: int = 8, total_tokens: int = 48):
+    def __init__(self, drafter, max_len: int = 4096, depth: int = 6, top_k: int = 8, total_tokens: int = 48,
+                 static_shapes: bool = False, compile: bool = False):
         if depth < 1 or top_k < 1 or total_tokens < 1:
             raise ValueError(f"tree depth, top_k and total_tokens must be >= 1 (got {depth}, {top_k}, {total_tokens})")
         self.depth, self.top_k, self.total_tokens = int(depth), int(top_k), int(total_tokens)
         # the draft entries of a round live past the target entries until accept() drops them
-        super().__init__(drafter, max_len=int(max_len) + (self.depth - 1) * self.top_k)
+        super().__init__(drafter, max_len=int(max_len) + (self.depth - 1) * self.top_k, static_shapes=static_shapes,
+                         compile=compile)
         self._draft_ids = drafter.draft_target_ids().to(self.device)
 
     def propose(self, tokens, k, sampling):  # pragma: no cover - the engine calls propose_tree
@@ -368,7 +422,7 @@ class Eagle3TreeProposer(Eagle3ChainProposer):
             mask = torch.cat([torch.ones(k, n, dtype=torch.bool, device=dev), vis,
                               torch.eye(k, dtype=torch.bool, device=dev)], dim=1)[None]  # [1, k, L + k]
             pos = torch.full((1, k), n + d - 2, dtype=torch.long, device=dev)
-            logits, out_h = self.drafter.step(f_tok[None], f_hid, self.cache, position_ids=pos, attn_mask=mask)
+            logits, out_h = self._draft_step(f_tok[None], f_hid, pos, mask)
             lp = torch.log_softmax(logits[0].float(), -1)  # [k, Vd]
             cs, ci = lp.topk(k, dim=-1)  # [k, k] children of each frontier node
             cs = (f_score[:, None] + cs).reshape(-1)
@@ -442,7 +496,7 @@ class MedusaChainProposer(_DeterministicBase):
         k = min(int(k), self.heads.num_heads)
         if k <= 0 or self._h is None:
             return [], None
-        return self._head_topk(k, 1)[:, 0].tolist(), None  # one host sync
+        return self._head_topk(k, 1)[:, 0], None  # a device tensor: no host sync
 
 
 class MedusaTreeProposer(MedusaChainProposer):

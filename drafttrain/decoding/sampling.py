@@ -12,7 +12,8 @@ Rules:
   (q = 1) sibling candidates; the building block of a future ``verify_tree_sampling``.
 
 Host syncs: the chain rules compute everything on the device and return Python ints through a single
-``.tolist()``, the one sync per verification round.
+``.tolist()``, the one sync per verification round (or, with ``device_result=True``, 0-d device tensors
+that the decoder reads in its own single sync together with the drafts).
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def _accepted_prefix(accept: Tensor) -> Tensor:
     return torch.cumprod(accept.long(), dim=0).sum() if accept.numel() else accept.new_zeros((), dtype=torch.long)
 
 
-def verify_chain_greedy(draft_tokens, target_logits: Tensor) -> tuple[int, int]:
+def verify_chain_greedy(draft_tokens, target_logits: Tensor, device_result: bool = False) -> tuple[int, int]:
     """Greedy chain verification.
 
     Args:
@@ -105,18 +106,23 @@ def verify_chain_greedy(draft_tokens, target_logits: Tensor) -> tuple[int, int]:
             pending token).
     Returns:
         ``(a, next_token)``: a = length of the longest prefix of drafts equal to the target argmax, and
-        next_token = the target argmax after d_a (correction on a mismatch, bonus if a = K).
+        next_token = the target argmax after d_a (correction on a mismatch, bonus if a = K). With
+        ``device_result`` both stay 0-d device tensors (no host sync; the caller reads them together with
+        whatever else it needs).
     """
     argmax = target_logits.argmax(-1)  # [K+1]
     K = argmax.shape[0] - 1
     d = _as_tokens(draft_tokens, argmax.device)
     a = _accepted_prefix(d == argmax[:K])
-    a_val, tok = torch.stack([a, argmax[a]]).tolist()  # the round's one host sync
-    return a_val, tok
+    if not device_result:
+        a_val, tok = torch.stack([a, argmax[a]]).tolist()  # the round's one host sync
+        return a_val, tok
+    return a, argmax[a]
 
 
 def verify_chain_sampling(
-    draft_tokens, draft_probs: Tensor, target_probs: Tensor, generator: torch.Generator | None = None
+    draft_tokens, draft_probs: Tensor, target_probs: Tensor, generator: torch.Generator | None = None,
+    device_result: bool = False,
 ) -> tuple[int, int]:
     """Speculative (rejection) sampling for one chain; the emitted tokens are distributed exactly as p.
 
@@ -154,8 +160,10 @@ def verify_chain_sampling(
     # fall back to p_a against rounding
     dist = torch.where(mass > 0, dist / mass.clamp_min(1e-30), p[a])
     tok = sample(dist, generator)
-    a_val, tok_val = torch.stack([a, tok]).tolist()  # the round's one host sync
-    return a_val, tok_val
+    if not device_result:
+        a_val, tok_val = torch.stack([a, tok]).tolist()  # the round's one host sync
+        return a_val, tok_val
+    return a, tok
 
 
 def recursive_reject(candidates, p: Tensor, generator: torch.Generator | None = None) -> tuple[int, int]:
