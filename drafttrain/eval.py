@@ -51,10 +51,12 @@ def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, d
     if method == "eagle3":
         if drafter is None:
             raise DraftTrainError("decode.method=eagle3 needs a drafter (drafter=runs/<run>/final)")
+        static = dict(static_shapes=bool(getattr(decode, "static_shapes", False)),
+                      compile=bool(getattr(decode, "compile", False)))
         if use_tree:
             return Eagle3TreeProposer(drafter, max_len=max_len, depth=tree.depth, top_k=tree.top_k,
-                                      total_tokens=tree.total_tokens)
-        return Eagle3ChainProposer(drafter, max_len=max_len)
+                                      total_tokens=tree.total_tokens, **static)
+        return Eagle3ChainProposer(drafter, max_len=max_len, **static)
     if method == "medusa":
         if drafter is None:
             raise DraftTrainError("decode.method=medusa needs Medusa heads (drafter=runs/<run>/final)")
