@@ -243,15 +243,16 @@ def test_medusa2_checkpoint_round_trip(tmp_path):
 
 
 def test_default_tree_from_measured_accuracy():
-    from drafttrain.training.medusa import MedusaMethod, choose_medusa_tree, tree_expected_tau
+    from drafttrain.decoding.tree import expected_accepted_length, medusa_choices_from_accuracy
+    from drafttrain.training.medusa import MedusaMethod
 
     acc = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]
-    tree = choose_medusa_tree(acc, 5)
+    tree = medusa_choices_from_accuracy(acc, 5)
     # path products: [0] .6, [0,0] .24, [1] .2, [0,1] .12, [2] .1 | [1,0] .08, [0,0,0] .072 left out
     assert tree == [[0], [1], [2], [0, 0], [0, 1]]
     paths = {tuple(p) for p in tree}
     assert all(tuple(p[:-1]) in paths for p in tree if len(p) > 1)  # closed under prefixes
-    assert tree_expected_tau(acc, tree) == pytest.approx(1 + 0.6 + 0.2 + 0.1 + 0.24 + 0.12)
+    assert expected_accepted_length(tree, acc) == pytest.approx(0.6 + 0.2 + 0.1 + 0.24 + 0.12)
     # finalize() takes the accuracies the training measured
     m = MedusaMethod(_cfg("MedusaConfig", num_heads=3, tree_top_k=3, tree_num_nodes=5), _Tok(), _target())
     summary = {f"racc_{k}_{i}": acc[k][i] for k in range(3) for i in range(3)}

@@ -15,7 +15,9 @@ the LoRA adapter, and evaluation verifies with the adapted (merged) target, whos
 AR reference (report key ``target_modified: true``).
 
 The default decoding tree is chosen from the per-head, per-rank accuracy measured over the last training
-steps (:func:`choose_medusa_tree`), saved in the drafter's config as ``medusa_choices``.
+steps (``decoding.tree.medusa_choices_from_accuracy``); both are saved in the heads' config
+(``medusa_choices``, ``head_topk_accuracy``), and the decoder re-picks a tree of ``decode.tree.total_tokens``
+nodes from that accuracy (``eval.medusa_choices_for``).
 
 Saved layouts (``final/``): Medusa-1: a MedusaHeads directory (vLLM Medusa format; config.json also carries
 ``medusa_choices`` and ``head_topk_accuracy``). Medusa-2: ``config.json`` (``drafter_type: medusa2``,
@@ -24,7 +26,6 @@ Saved layouts (``final/``): Medusa-1: a MedusaHeads directory (vLLM Medusa forma
 """
 from __future__ import annotations
 
-import heapq
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,53 +33,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..decoding.tree import medusa_choices_from_accuracy
 from ..drafters.medusa import MedusaHeads, add_lora, final_hidden, load_lora
 from ..io import DraftTrainError, atomic_dir, read_json, save_tensors, write_json
 from ..losses import (combine_step_losses, kd_loss, medusa_head_stats, medusa_head_weights, medusa_valid_mask,
                       next_token_mask)
 
 MEDUSA2_TYPE = "medusa2"
-
-
-# ------------------------------------------------------------------------------------------ the tree
-def choose_medusa_tree(rank_accuracy, num_nodes: int, max_depth: int | None = None) -> list[list[int]]:
-    """Medusa's sparse tree from measured accuracies: ``rank_accuracy[k][i]`` = P(the i-th ranked token of
-    head k is the right one). A node is a path ``[i_0, .., i_d]`` (rank of head 0's guess, head 1's, ...);
-    its expected contribution to the accepted length is the product of its ranks' accuracies (heads assumed
-    independent, as in Medusa's tree search). Best-first: repeatedly add the frontier node with the largest
-    product; children have products no larger than their parent, so the result is a valid tree (every
-    prefix of a chosen path is chosen) maximising the expected accepted length among trees of that size.
-
-    Returns the choices sorted by (depth, path), in the format of Medusa's ``medusa_choices``.
-    """
-    K = len(rank_accuracy)
-    if K == 0 or num_nodes <= 0:
-        return []
-    depth_cap = K if max_depth is None else min(K, int(max_depth))
-    acc = [[max(float(a), 0.0) for a in row] for row in rank_accuracy]
-    heap: list[tuple[float, tuple[int, ...]]] = []
-    for i, a in enumerate(acc[0]):
-        heapq.heappush(heap, (-a, (i,)))
-    chosen: list[tuple[int, ...]] = []
-    while heap and len(chosen) < num_nodes:
-        neg, path = heapq.heappop(heap)
-        chosen.append(path)
-        d = len(path)
-        if d < depth_cap:
-            for i, a in enumerate(acc[d]):
-                heapq.heappush(heap, (neg * a, path + (i,)))
-    return [list(p) for p in sorted(chosen, key=lambda p: (len(p), p))]
-
-
-def tree_expected_tau(rank_accuracy, choices) -> float:
-    """1 + sum over nodes of the product of their ranks' accuracies (Medusa's expected accepted length)."""
-    tau = 1.0
-    for path in choices:
-        p = 1.0
-        for k, i in enumerate(path):
-            p *= float(rank_accuracy[k][i])
-        tau += p
-    return tau
 
 
 # ------------------------------------------------------------------------------------------ modules
@@ -351,7 +312,7 @@ class MedusaMethod:
             return
         acc = self.rank_accuracy(train_metrics)
         drafter.head_topk_accuracy = [[round(a, 5) for a in row] for row in acc]
-        drafter.medusa_choices = choose_medusa_tree(acc, int(self.cfg.tree_num_nodes))
+        drafter.medusa_choices = medusa_choices_from_accuracy(acc, int(self.cfg.tree_num_nodes))
 
     def eval_setup(self, target_model, drafter: MedusaTrainable):
         """(target to verify with, drafter for the proposer, extra report keys). Medusa-2 merges its LoRA

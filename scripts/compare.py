@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""Compare drafter families on one target with the same training budget and the same decoder settings.
+
+    python scripts/compare.py                       # the built-in target, defaults below
+    python scripts/compare.py --steps 300 --num-train 1024 --out bench/compare.md
+
+Every trained method runs ``train.py recipe=<recipe>`` (one process; ``accelerate launch`` gives the same
+result) with the same data (``data=builtin``: target-regenerated training chats, held-out eval prompts), the
+same number of optimizer steps and global batch size, then is evaluated by the training run's own
+end-of-training evaluation with the same decoder settings (greedy, chain, K draft tokens, same prompts,
+same max_new_tokens). PLD (prompt lookup, no training) is scored with ``drafttrain eval decode.method=pld``.
+Each run's report.json is read back into one Markdown table (τ, α, α per position, speedup) and a PNG.
+
+Learning rates are each recipe's own (what the recipe would ship with); everything else that sets the budget
+is identical and written in the table header. Runs whose report.json already exists are reused
+(``--fresh`` retrains), so an interrupted comparison resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# name -> (recipe, extra overrides, description); decode.method comes from the recipe
+METHODS = {
+    "eagle3": ("eagle3", [], "EAGLE-3 (1 layer, 3 taps, TTT 7)"),
+    "medusa1": ("medusa", [], "Medusa-1 (4 heads, frozen target)"),
+    "medusa2": ("medusa2", [], "Medusa-2 (4 heads + LoRA r32, self-distillation; target modified)"),
+    "kd": ("distill", ["distill.loss=fkl"], "distilled draft, KD (forward KL), 2 target layers"),
+    "kd_onpolicy": ("distill", ["distill.loss=fkl", "distill.on_policy_ratio=0.5"],
+                    "distilled draft, KD (forward KL), 50% on-policy rows"),
+    "ce": ("distill", ["distill.loss=ce"], "same draft, plain CE on the same data"),
+    "pld": (None, ["decode.method=pld"], "prompt lookup (no training)"),
+}
+DEFAULT = ["eagle3", "medusa1", "medusa2", "kd", "ce", "pld"]
+
+
+def _run(cmd: list[str], log: Path, env: dict) -> float:
+    t0 = time.time()
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if r.returncode != 0:
+        tail = log.read_text()[-2000:]
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}); log {log}:\n{tail}")
+    return time.time() - t0
+
+
+def _saved_params(final: Path) -> int | None:
+    """Parameters in the drafter's saved safetensors files (Medusa-2: heads + LoRA adapter)."""
+    import math
+
+    from safetensors import safe_open
+
+    if not final.is_dir():
+        return None
+    n = 0
+    for f in final.rglob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            n += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return n
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default=",".join(DEFAULT), help=f"comma list of {', '.join(METHODS)}")
+    ap.add_argument("--steps", type=int, default=150, help="optimizer steps for every trained method")
+    ap.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--num-train", type=int, default=512, help="training conversations (data.num_train)")
+    ap.add_argument("--max-length", type=int, default=384, help="data.max_length")
+    ap.add_argument("--num-prompts", type=int, default=16, help="held-out eval prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("-K", "--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1, help="OMP/torch threads per run (1 is fastest on shared cores)")
+    ap.add_argument("--runs", default=str(REPO / "runs" / "compare"), help="run directories go here")
+    ap.add_argument("--out", default=str(REPO / "bench" / "compare.md"))
+    ap.add_argument("--png", default=None, help="default: <out without .md>.png")
+    ap.add_argument("--fresh", action="store_true", help="retrain even if a run's report.json exists")
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (e.g. target=<dir>)")
+    args = ap.parse_args(argv)
+
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in names if m not in METHODS]
+    if bad:
+        ap.error(f"unknown method(s) {bad}; expected some of {list(METHODS)}")
+    runs = Path(args.runs)
+    runs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
+           "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
+    data = ["data=builtin", f"data.num_train={args.num_train}", f"data.max_length={args.max_length}",
+            f"data.num_eval={args.num_prompts}"]
+    decode = [f"decode.num_prompts={args.num_prompts}", f"decode.max_new_tokens={args.max_new_tokens}",
+              f"decode.num_draft_tokens={args.num_draft_tokens}", "decode.temperature=0.0", "decode.sweep=[]"]
+    budget = [f"train.max_steps={args.steps}", f"train.batch_size={args.batch_size}",
+              f"train.micro_batch_size={args.micro_batch_size}", "train.save_every=0", "logger=none"]
+
+    results = {}
+    for name in names:
+        recipe, extra, desc = METHODS[name]
+        run = runs / name
+        rep = run / "report.json"
+        if rep.exists() and not args.fresh:
+            print(f"[compare] {name}: reusing {rep}", flush=True)
+        else:
+            if recipe is None:
+                cmd = [sys.executable, "-m", "drafttrain.cli", "eval", *data, *decode, *extra, *args.overrides,
+                       f"hydra.run.dir={run}"]
+            else:
+                cmd = [sys.executable, str(REPO / "train.py"), f"recipe={recipe}", *data, *budget, *decode, *extra,
+                       *args.overrides, f"hydra.run.dir={run}"]
+            run.mkdir(parents=True, exist_ok=True)
+            print(f"[compare] {name}: {' '.join(cmd[1:])}", flush=True)
+            secs = _run(cmd, run.parent / f"{name}.log", env)
+            print(f"[compare] {name}: done in {secs:.0f}s", flush=True)
+        r = json.loads(rep.read_text())
+        tm = run / "train_metrics.json"
+        train = json.loads(tm.read_text()) if tm.exists() else {}
+        results[name] = {"desc": desc, "recipe": recipe, "extra": extra, "report": r,
+                         "train_seconds": train.get("train_seconds"),
+                         "last": (train.get("history") or [{}])[-1], "params": _saved_params(run / "final")}
+
+    write_table(results, args, Path(args.out))
+    png = Path(args.png) if args.png else Path(args.out).with_suffix(".png")
+    plot(results, png)
+    print(f"[compare] wrote {args.out} and {png}", flush=True)
+    return 0
+
+
+def _f(x, spec=".2f"):
+    return "–" if x is None else format(x, spec)
+
+
+def write_table(results: dict, args, out: Path) -> None:
+    from drafttrain.io import write_text
+
+    K = args.num_draft_tokens
+    any_r = next(iter(results.values()))["report"]
+    lines = [
+        f"Target: `{any_r['target']}`; {any_r['prompts']} held-out prompts x up to {args.max_new_tokens} new "
+        f"tokens; greedy; chain drafts, K = {K}; speedup = speculative / AR tokens/s measured side by side in "
+        f"the same run on CPU ({args.threads} thread).",
+        f"Training budget (every trained method): {args.steps} optimizer steps x {args.batch_size} sequences "
+        f"(micro-batch {args.micro_batch_size}) of the same {args.num_train} target-regenerated chats "
+        f"(max length {args.max_length}); learning rate = each recipe's.",
+        "",
+        "| method | drafter | saved params | train s | τ | α | " + " | ".join(f"α@{i + 1}" for i in range(K))
+        + " | tok/s spec / AR | speedup | greedy = AR | target modified |",
+        "|---|---|---:|---:|---:|---:|" + "---:|" * K + "---:|---:|:-:|:-:|",
+    ]
+    for name, res in results.items():
+        r = res["report"]
+        app = list(r.get("acceptance_per_position") or []) + [None] * K
+        params = res["params"]
+        lines.append(
+            f"| {name} | {res['desc']} | {_f(params / 1e6, '.2f') + 'M' if params else '–'} | "
+            f"{_f(res['train_seconds'], '.0f')} | {_f(r['tau'])} | {_f(r['alpha'])} | "
+            + " | ".join(_f(a) for a in app[:K])
+            + f" | {_f(r['tokens_per_s'], '.0f')} / {_f(r['baseline_tokens_per_s'], '.0f')} | {_f(r['speedup'])}x | "
+            f"{'yes' if r.get('outputs_match_baseline') else 'NO'} | {'yes' if r.get('target_modified') else 'no'} |"
+        )
+    lines.append("")
+    lines.append("Commands (each run's full config is in its `.hydra/config.yaml`):")
+    lines.append("")
+    lines.append("```")
+    lines.append(" ".join(["python scripts/compare.py", f"--steps {args.steps}", f"--batch-size {args.batch_size}",
+                           f"--num-train {args.num_train}", f"--num-prompts {args.num_prompts}",
+                           f"--max-new-tokens {args.max_new_tokens}", f"-K {K}", f"--methods {args.methods}"]
+                          + list(args.overrides)))
+    for name, res in results.items():
+        if res["recipe"]:
+            lines.append(f"# {name}: accelerate launch train.py recipe={res['recipe']} "
+                         + " ".join(res["extra"] + [f"train.max_steps={args.steps}", f"train.batch_size={args.batch_size}",
+                                                    f"data.num_train={args.num_train}"]))
+        else:
+            lines.append(f"# {name}: drafttrain eval " + " ".join(res["extra"]))
+    lines.append("```")
+    write_text(out, "\n".join(lines) + "\n")
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from drafttrain.io import atomic_path
+
+    names = list(results)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=120, gridspec_kw={"width_ratios": [3, 2]})
+    K = max(len(results[n]["report"].get("acceptance_per_position") or []) for n in names)
+    w = 0.8 / max(1, len(names))
+    for j, n in enumerate(names):
+        app = [a if a is not None else 0.0 for a in (results[n]["report"].get("acceptance_per_position") or [])]
+        a1.bar([i + 1 + (j - (len(names) - 1) / 2) * w for i in range(len(app))], app, width=w, label=n)
+    a1.set_xticks(range(1, K + 1))
+    a1.set_xlabel("draft position")
+    a1.set_ylabel("P(accepted | reached)")
+    a1.set_ylim(0, 1)
+    a1.legend(fontsize=7, ncol=2)
+    taus = [results[n]["report"]["tau"] or 0 for n in names]
+    sps = [results[n]["report"]["speedup"] or 0 for n in names]
+    x = range(len(names))
+    a2.bar([i - 0.2 for i in x], taus, width=0.4, label="τ (tokens / target forward)")
+    a2.bar([i + 0.2 for i in x], sps, width=0.4, label="speedup (CPU)")
+    a2.axhline(1.0, color="grey", lw=0.8)
+    a2.set_xticks(list(x))
+    a2.set_xticklabels(names, rotation=30, fontsize=8)
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
