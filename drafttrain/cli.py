@@ -8,6 +8,8 @@ Commands:
   capture       store the target's hidden states for offline training (``capture.path=DIR``; resumable,
                 multi-process under ``accelerate launch -m drafttrain.cli capture``)
   export        write a drafter for vLLM / SGLang / HF (``drafter=… format=vllm|sglang|hf out=…``)
+  bench         our decoder vs HF generate() / assisted / prompt lookup, and EAGLE-3 chain + tree (a table)
+  tune          pick decode.num_draft_tokens or decode.tree.total_tokens from measured acceptance and costs
 
 Shorthands: ``target=<dir or hub name>`` (not a conf/target option) means ``target=hf
 target.name_or_path=<it>``; ``data=<file>.jsonl`` means ``data=jsonl data.path=<file>``.
@@ -159,6 +161,18 @@ def _export_task(cfg):
     return run_export(cfg)
 
 
+def _bench_task(cfg):
+    from .bench import run_bench
+
+    return run_bench(cfg)
+
+
+def _tune_task(cfg):
+    from .bench import run_tune
+
+    return run_tune(cfg)
+
+
 COMMANDS = {
     "train": ("train", _train_task),
     "eval": ("eval", _eval_task),
@@ -166,6 +180,8 @@ COMMANDS = {
     "regenerate": ("regenerate", _regenerate_task),
     "capture": ("capture", _capture_task),
     "export": ("export", _export_task),
+    "bench": ("bench", _bench_task),
+    "tune": ("tune", _tune_task),
 }
 
 

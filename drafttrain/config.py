@@ -274,6 +274,51 @@ class EvalJob:
 
 
 @dataclass
+class BenchJob:
+    """`drafttrain bench`: our decoder vs Hugging Face generate() on the same target, drafters and prompts
+    (greedy, batch 1, warm-up, `runs` timed passes, medians)."""
+
+    drafter: Optional[str] = None  # a saved EAGLE-3 drafter directory (eagle3 rows); None = skip those rows
+    # draft model for the draft_model rows: "builtin-small" (a 2-layer sibling of the built-in target, same
+    # tokenizer, built and cached on first use), a causal-LM directory sharing the tokenizer, or None = skip
+    draft_model: Optional[str] = "builtin-small"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # rows: ar | draft_model | pld | eagle3 (chain) | eagle3_tree
+    methods: List[str] = field(default_factory=lambda: ["ar", "draft_model", "pld", "eagle3", "eagle3_tree"])
+    num_prompts: int = 8  # held-out prompts from `data`
+    max_new_tokens: int = 128
+    warmup: int = 1  # untimed passes over the first prompt, per method
+    runs: int = 3  # timed passes over all prompts; the table reports medians
+    num_draft_tokens: int = 4  # ours: K of draft_model and the eagle3 chain
+    pld_num_tokens: int = 10  # prompt lookup: drafts per round, ours and HF (prompt_lookup_num_tokens)
+    pld_max_ngram: int = 3  # prompt lookup: longest n-gram matched, ours and HF (max_matching_ngram_size)
+    hf_num_assistant_tokens: Optional[int] = None  # HF assisted generation: None = HF's default schedule
+    tree: TreeConfig = field(default_factory=TreeConfig)  # eagle3_tree: depth, top_k, total_tokens
+    cache: str = "auto"  # our target KV cache: auto | static | dynamic
+    static_shapes: bool = False  # our CUDA-graph path (padded verify, static draft steps)
+    compile: bool = False  # with static_shapes on CUDA: torch.compile(mode="reduce-overhead")
+    threads: int = 0  # torch.set_num_threads for the run (0: leave as is)
+
+
+@dataclass
+class TuneJob:
+    """`drafttrain tune`: pick the draft length (chains) or tree size (trees) from measured acceptance and
+    measured target / draft costs (drafttrain.decoding.tune)."""
+
+    drafter: Optional[str] = None  # a saved EAGLE-3 drafter directory (decode.method=eagle3)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)  # method, tree.enabled, draft_model, cache ...
+    max_draft_tokens: int = 8  # chains: K candidates 0..max_draft_tokens (calibrated at the largest)
+    tree_sizes: List[int] = field(default_factory=lambda: [8, 16, 32, 48, 64])  # trees: total_tokens candidates
+    num_prompts: int = 4  # calibration prompts from `data`
+    max_new_tokens: int = 64
+    repeats: int = 5  # timed repetitions of each target forward size (median)
+    threads: int = 0  # torch.set_num_threads for the run (0: leave as is)
+
+
+@dataclass
 class BuildTargetJob:
     target: TargetConfig = field(default_factory=TargetConfig)
 
@@ -294,6 +339,8 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainJob)
     cs.store(name="eval_schema", node=EvalJob)
+    cs.store(name="bench_schema", node=BenchJob)
+    cs.store(name="tune_schema", node=TuneJob)
     cs.store(name="build_target_schema", node=BuildTargetJob)
     cs.store(name="regenerate_schema", node=RegenerateJob)
     cs.store(name="capture_schema", node=CaptureJob)

@@ -15,7 +15,7 @@ from drafttrain.cli import CONF_DIR, expand_shorthands
 from .conftest import REPO
 
 PRIMARY = {"train": C.TrainJob, "eval": C.EvalJob, "build_target": C.BuildTargetJob,
-           "regenerate": C.RegenerateJob}
+           "regenerate": C.RegenerateJob, "bench": C.BenchJob, "tune": C.TuneJob}
 REQUIRED = {"regenerate": ["input=a.jsonl", "output=b.jsonl"]}
 GROUP_REQUIRED = {("target", "hf"): ["target.name_or_path=some/dir"], ("data", "jsonl"): ["data.path=x.jsonl"]}
 

@@ -1,0 +1,424 @@
+"""``drafttrain bench`` and ``drafttrain tune``: our speculative decoder against Hugging Face generation, and
+choosing the draft length / tree size from measured acceptance and costs.
+
+bench: on one target, drafter and prompt set, greedy, batch 1, after a warm-up, ``runs`` timed passes over the
+prompts (ours and HF interleaved per pass), medians of tokens/s:
+
+    ours ar            vs  HF model.generate()
+    ours draft_model   vs  HF generate(assistant_model=...)          (HF's default assistant schedule)
+    ours pld           vs  HF generate(prompt_lookup_num_tokens=...)
+    ours eagle3 chain  vs  HF model.generate()                       (HF has no EAGLE decoding)
+    ours eagle3 tree   vs  HF model.generate()
+
+tau for HF counts the target's forward calls (a forward pre-hook): (new tokens - 1) / (target forwards - 1),
+the same definition as ours (the prefill's token and forward excluded). Every greedy output is checked
+token for token against HF's and against our AR output. Writes ``bench.json`` and ``bench.md`` into the run
+directory and prints the table.
+
+tune: see :mod:`drafttrain.decoding.tune`; writes ``tune.json`` and prints the chosen overrides.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .io import DraftTrainError, write_json
+
+SMALL_DRAFT = dict(hidden_size=96, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def builtin_small_draft(target_cfg):
+    """A 2-layer sibling of the built-in target: same tokenizer (same files, vocabulary size and seed), trained
+    the same way; the natural ``draft_model`` for the built-in target."""
+    import dataclasses
+
+    from .targets.builtin import ensure_builtin_target
+
+    spec = dataclasses.replace(target_cfg.builtin, **SMALL_DRAFT)
+    return ensure_builtin_target(spec)
+
+
+def load_draft_model(name: str, target_cfg, device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = builtin_small_draft(target_cfg) if name == "builtin-small" else Path(name)
+    if not (Path(path) / "config.json").exists():
+        raise DraftTrainError(f"draft_model={name}: no config.json in {path}")
+    model = AutoModelForCausalLM.from_pretrained(str(path)).eval().to(device)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return model, tok, str(path)
+
+
+class ForwardCounter:
+    """Counts calls of a module's forward (HF generate's target forwards)."""
+
+    def __init__(self, module):
+        self.n = 0
+        self._h = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_):
+        self.n += 1
+
+    def close(self):
+        self._h.remove()
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+# ------------------------------------------------------------------------------------------------ bench
+class _Ours:
+    """One of our methods: a SpecDecoder per method, reused across passes."""
+
+    def __init__(self, label, decoder, eos, max_new, oracle=False):
+        self.label, self.dec, self.eos, self.max_new = label, decoder, eos, max_new
+
+    def run(self, prompts):
+        from .decoding.engine import aggregate
+
+        t0 = time.perf_counter()
+        res = [self.dec.generate(p, self.max_new, self.eos) for p in prompts]
+        dt = time.perf_counter() - t0
+        agg = aggregate(res)
+        return [r.tokens for r in res], agg["num_new_tokens"] / dt, agg["tau"]
+
+
+class _HF:
+    def __init__(self, label, model, eos, pad, max_new, **gen_kw):
+        self.label, self.model, self.eos, self.pad, self.max_new, self.kw = label, model, eos, pad, max_new, gen_kw
+
+    @torch.no_grad()
+    def run(self, prompts):
+        dev = next(self.model.parameters()).device
+        counter = ForwardCounter(self.model)
+        outs, new, fwd_extra = [], 0, 0
+        t0 = time.perf_counter()
+        try:
+            for p in prompts:
+                ids = torch.tensor([p], device=dev)
+                before = counter.n
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new,
+                                          do_sample=False, eos_token_id=self.eos, pad_token_id=self.pad,
+                                          **self.kw)
+                toks = out[0, len(p):].tolist()
+                outs.append(toks)
+                new += len(toks)
+                fwd_extra += (counter.n - before) - 1  # forwards after the prefill
+        finally:
+            counter.close()
+        dt = time.perf_counter() - t0
+        rounds_tokens = new - len(prompts)  # the prefill's token of every prompt excluded
+        return outs, new / dt, (rounds_tokens / fwd_extra if fwd_extra > 0 else None)
+
+
+def _identical(a_outs, b_outs) -> bool:
+    return all(a == b for a, b in zip(a_outs, b_outs))
+
+
+@torch.no_grad()
+def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=("ar", "draft_model", "pld",
+          "eagle3", "eagle3_tree"), max_new_tokens=128, warmup=1, runs=3, num_draft_tokens=4, pld_num_tokens=10,
+          pld_max_ngram=3, tree=None, cache="auto", static_shapes=False, compile=False,
+          hf_num_assistant_tokens=None, log=print) -> dict:
+    """Run the benchmark; returns ``{"rows": [...], ...}`` (see the module docstring)."""
+    from transformers.utils import logging as hf_logging
+
+    from .decoding import (DraftModelProposer, Eagle3ChainProposer, Eagle3TreeProposer, NoDraft,
+                           PromptLookupProposer, SpecDecoder, TargetRunner)
+    from .eval import _gen_eos
+
+    if not prompts:
+        raise DraftTrainError("bench: no prompts")
+    hf_logging.set_verbosity_error()
+    eos = sorted({t for t in [tokenizer.eos_token_id, *_gen_eos(model)] if t is not None})
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    tree_cfg = dict(depth=6, top_k=8, total_tokens=48) if tree is None else dict(tree)
+    max_len = max(len(p) for p in prompts) + max_new_tokens + max(num_draft_tokens, pld_num_tokens,
+                                                                    tree_cfg["total_tokens"]) + 8
+    rkw = dict(max_len=max_len, cache=cache, static_shapes=static_shapes, compile=compile, timing=False)
+    taps = tuple(drafter.config.tap_layers) if drafter is not None else None
+
+    def ours(label, proposer, K, taps=None):
+        return _Ours(label, SpecDecoder(TargetRunner(model, taps=taps, **rkw), proposer, K), eos, max_new_tokens)
+
+    hf_ar = _HF("generate()", model, eos, pad, max_new_tokens)
+    pairs = []  # (method, ours, hf, label details)
+    for m in methods:
+        if m == "ar":
+            pairs.append(("ar", ours("ar", NoDraft(), 0), hf_ar, ""))
+        elif m == "draft_model":
+            if draft_model is None:
+                log("[bench] no draft model: skipping draft_model")
+                continue
+            kw = {"assistant_model": draft_model}
+            if hf_num_assistant_tokens:
+                draft_model.generation_config.num_assistant_tokens = int(hf_num_assistant_tokens)
+                draft_model.generation_config.num_assistant_tokens_schedule = "constant"
+            pairs.append(("draft_model", ours("draft_model", DraftModelProposer(draft_model, max_len=max_len),
+                                              num_draft_tokens),
+                          _HF("generate(assistant_model=...)", model, eos, pad, max_new_tokens, **kw),
+                          f"K={num_draft_tokens}"))
+        elif m == "pld":
+            pairs.append(("pld", ours("pld", PromptLookupProposer(max_ngram=pld_max_ngram, num_tokens=pld_num_tokens),
+                                      pld_num_tokens),
+                          _HF(f"generate(prompt_lookup_num_tokens={pld_num_tokens})", model, eos, pad, max_new_tokens,
+                              prompt_lookup_num_tokens=pld_num_tokens, max_matching_ngram_size=pld_max_ngram),
+                          f"{pld_num_tokens} tokens, n-gram <= {pld_max_ngram}"))
+        elif m in ("eagle3", "eagle3_tree"):
+            if drafter is None:
+                log(f"[bench] no EAGLE-3 drafter: skipping {m}")
+                continue
+            if m == "eagle3":
+                prop = Eagle3ChainProposer(drafter, max_len=max_len, static_shapes=static_shapes, compile=compile)
+                pairs.append(("eagle3 chain", ours(m, prop, num_draft_tokens, taps), hf_ar, f"K={num_draft_tokens}"))
+            else:
+                prop = Eagle3TreeProposer(drafter, max_len=max_len, static_shapes=static_shapes, compile=compile,
+                                          **tree_cfg)
+                pairs.append(("eagle3 tree", ours(m, prop, tree_cfg["depth"], taps), hf_ar,
+                              "depth {depth}, top-k {top_k}, {total_tokens} nodes".format(**tree_cfg)))
+        else:
+            raise DraftTrainError(f"bench: unknown method {m!r} (ar, draft_model, pld, eagle3, eagle3_tree)")
+
+    # warm-up: first calls pay for allocation, lazy initialisation and kernel selection
+    for _ in range(warmup):
+        for _, o, h, _ in pairs:
+            o.run(prompts[:1])
+            h.run(prompts[:1])
+    times = {id(x): [] for _, o, h, _ in pairs for x in (o, h)}
+    taus = {id(x): [] for _, o, h, _ in pairs for x in (o, h)}
+    outs = {}
+    hf_done = set()
+    for r in range(runs):
+        for i, (name, o, h, _) in enumerate(pairs):
+            order = (o, h) if (i + r) % 2 == 0 else (h, o)  # alternate who goes first
+            for x in order:
+                if x is hf_ar and id(x) in hf_done:
+                    continue  # HF AR is shared by several rows: time it once per pass
+                toks, tps, tau = x.run(prompts)
+                times[id(x)].append(tps)
+                taus[id(x)].append(tau)
+                outs[id(x)] = toks
+                if x is hf_ar:
+                    hf_done.add(id(x))
+        hf_done.clear()
+        log(f"[bench] pass {r + 1}/{runs} done")
+    ar_outs = next((outs[id(o)] for name, o, h, _ in pairs if name == "ar"), outs[id(hf_ar)] if id(hf_ar) in outs
+                   else None)
+    rows = []
+    for name, o, h, detail in pairs:
+        ours_tps, hf_tps = _median(times[id(o)]), _median(times[id(h)])
+        rows.append({
+            "method": name,
+            "detail": detail,
+            "ours_tokens_per_s": ours_tps,
+            "ours_tau": _median(taus[id(o)]),
+            "hf": h.label,
+            "hf_tokens_per_s": hf_tps,
+            "hf_tau": _median(taus[id(h)]),
+            "ratio_ours_hf": ours_tps / hf_tps if ours_tps and hf_tps else None,
+            "outputs_identical_to_hf": _identical(outs[id(o)], outs[id(h)]),
+            "outputs_identical_to_ar": _identical(outs[id(o)], ar_outs) if ar_outs is not None else None,
+            "ours_runs_tokens_per_s": times[id(o)],
+            "hf_runs_tokens_per_s": times[id(h)],
+        })
+    return {"rows": rows, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "runs": runs,
+            "warmup": warmup, "new_tokens_per_pass": sum(len(t) for t in outs[id(hf_ar)]) if id(hf_ar) in outs else None,
+            "device": str(next(model.parameters()).device), "threads": torch.get_num_threads(),
+            "cache": cache, "static_shapes": static_shapes, "compile": compile}
+
+
+def format_table(result: dict) -> str:
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    lines = ["| method | ours tok/s | ours τ | HF baseline | HF tok/s | HF τ | ours / HF | greedy output = HF = AR |",
+             "|---|---:|---:|---|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        same = "yes" if r["outputs_identical_to_hf"] and r["outputs_identical_to_ar"] in (True, None) else "NO"
+        name = r["method"] + (f" ({r['detail']})" if r["detail"] else "")
+        lines.append(f"| {name} | {f(r['ours_tokens_per_s'], '.1f')} | {f(r['ours_tau'], '.2f')} | {r['hf']} | "
+                     f"{f(r['hf_tokens_per_s'], '.1f')} | {f(r['hf_tau'], '.2f')} | "
+                     f"{f(r['ratio_ours_hf'], '.2f')}x | {same} |")
+    return "\n".join(lines)
+
+
+def _setup(job):
+    from .eval import eval_conversations, eval_prompt_ids
+    from .targets.load import load_target, target_id
+
+    if job.threads > 0:
+        torch.set_num_threads(job.threads)
+    if job.target.name_or_path == "auto":  # the target the drafter was trained for, else the built-in one
+        from .io import read_json
+
+        rec = None
+        if job.drafter and (Path(job.drafter) / "config.json").exists():
+            rec = read_json(Path(job.drafter) / "config.json").get("target_name_or_path") or None
+        job.target.name_or_path = rec or "builtin"
+    model, tokenizer, path = load_target(job.target)
+    prompts = eval_prompt_ids(tokenizer, eval_conversations(job.data), job.num_prompts)
+    return model, tokenizer, path, target_id(path), prompts
+
+
+def _load_eagle3(path, model):
+    from .eval import load_drafter
+
+    if not path:
+        return None
+    if not (Path(path) / "config.json").exists():
+        raise DraftTrainError(f"drafter={path}: not a saved drafter directory (no config.json)")
+    d = load_drafter(path, next(model.parameters()).device)
+    if not hasattr(d, "fuse"):
+        raise DraftTrainError(f"drafter={path}: bench runs EAGLE-3 drafters (decode.method=eagle3)")
+    return d.eval()
+
+
+def run_bench(cfg) -> dict:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    job = OmegaConf.to_object(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    model, tokenizer, path, tname, prompts = _setup(job)
+    dev = next(model.parameters()).device
+    drafter = _load_eagle3(job.drafter, model)
+    dm = None
+    dm_path = None
+    if job.draft_model and "draft_model" in job.methods:
+        dm, dtok, dm_path = load_draft_model(job.draft_model, job.target, dev)
+        if dtok.get_vocab() != tokenizer.get_vocab():
+            raise DraftTrainError(f"draft_model={job.draft_model}: its tokenizer differs from the target's")
+    res = bench(model, tokenizer, prompts, drafter=drafter, draft_model=dm, methods=job.methods,
+                max_new_tokens=job.max_new_tokens, warmup=job.warmup, runs=job.runs,
+                num_draft_tokens=job.num_draft_tokens, pld_num_tokens=job.pld_num_tokens,
+                pld_max_ngram=job.pld_max_ngram,
+                tree=dict(depth=job.tree.depth, top_k=job.tree.top_k, total_tokens=job.tree.total_tokens),
+                cache=job.cache, static_shapes=job.static_shapes, compile=job.compile,
+                hf_num_assistant_tokens=job.hf_num_assistant_tokens)
+    res.update(target=tname, drafter=job.drafter, draft_model=dm_path, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    table = format_table(res)
+    print("\n" + table + "\n", flush=True)
+    write_json(run_dir / "bench.json", res)
+    from .io import atomic_path
+
+    with atomic_path(run_dir / "bench.md") as tmp:
+        Path(tmp).write_text(table + "\n")
+    print(f"[drafttrain] bench: {run_dir / 'bench.json'}", flush=True)
+    return res
+
+
+# ------------------------------------------------------------------------------------------------- tune
+@torch.no_grad()
+def tune(model, tokenizer, prompts, proposer, decode, *, taps=None, method: str, max_draft_tokens: int = 8,
+         tree_sizes=(8, 16, 32, 48, 64), max_new_tokens: int = 64, repeats: int = 5, log=print) -> dict:
+    """Measure acceptance and costs on ``prompts`` and pick the draft length (chains) or tree size (trees)."""
+    from .decoding import SpecDecoder, TargetRunner, aggregate
+    from .decoding.tune import choose_chain_length, choose_tree_size, measure_verify_cost
+    from .eval import _gen_eos
+
+    eos = [t for t in {tokenizer.eos_token_id, *_gen_eos(model)} if t is not None]
+    is_tree = bool(getattr(proposer, "tree", False))
+    biggest = max(max_draft_tokens, max(tree_sizes) if is_tree else 0)
+    max_len = max(len(p) for p in prompts) + max_new_tokens + biggest + 8
+    runner = TargetRunner(model, taps=taps, max_len=max_len, cache=decode.cache)
+    context = prompts[0]
+    sizes = sorted({n for n in range(1, max_draft_tokens + 2)} | ({s + 1 for s in tree_sizes} if is_tree else set()))
+    verify = measure_verify_cost(runner, context, sizes, repeats=repeats, tree=is_tree)
+    log("[tune] target forward cost (ms) by new positions: " +
+        ", ".join(f"{n}: {1e3 * t:.2f}" for n, t in verify.items()))
+
+    def decode_all(dec):
+        if hasattr(proposer, "set_reference"):
+            raise DraftTrainError("tune: the oracle needs references; tune a real drafter or pld")
+        return aggregate([dec.generate(p, max_new_tokens, eos) for p in prompts])
+
+    ar = decode_all(SpecDecoder(runner, _no_draft(), 0))
+    other_ar = max(ar["time_other"] / max(ar["num_rounds"], 1), 0.0)
+    ar_round = verify[1] + other_ar
+    out = {"method": method, "verify_cost_s": {str(k): v for k, v in verify.items()}, "ar_tokens_per_s": ar["tokens_per_s"]}
+    if not is_tree:
+        K = max_draft_tokens
+        if getattr(proposer, "name", "") == "medusa":
+            K = min(K, proposer.heads.num_heads)
+        saved = getattr(proposer, "num_tokens", None)
+        if saved is not None:
+            proposer.num_tokens = K
+        cal = decode_all(SpecDecoder(runner, proposer, K))
+        if saved is not None:
+            proposer.num_tokens = saved
+        draft_per_token = cal["time_draft"] / max(cal["num_drafted"], 1)
+        other = cal["time_other"] / max(cal["num_rounds"], 1)
+        choice = choose_chain_length(cal["acceptance_per_position"], verify, draft_per_token, other, K)
+        out.update(kind="chain", acceptance_per_position=cal["acceptance_per_position"],
+                   draft_cost_per_token_s=draft_per_token, other_cost_per_round_s=other, **choice)
+        best = choice["best"]
+        out["overrides"] = [f"decode.num_draft_tokens={best['K']}"] if best and best["K"] > 0 else \
+            ["decode.method=ar  (no draft length beats plain decoding here)"]
+    else:
+        measured = []
+        for size in tree_sizes:
+            if hasattr(proposer, "total_tokens"):
+                proposer.total_tokens = int(size)
+            dec = SpecDecoder(runner, proposer, int(getattr(proposer, "depth", decode.tree.depth)))
+            agg = decode_all(dec)
+            measured.append({"total_tokens": int(size), "tau": agg["tau"], "nodes_per_round": agg["nodes_per_round"],
+                             "draft_time_per_round": agg["time_draft"] / max(agg["num_rounds"], 1),
+                             "measured_tokens_per_s": agg["tokens_per_s"]})
+            log(f"[tune] tree {size} nodes: tau {agg['tau']:.2f}")
+        choice = choose_tree_size(measured, verify, other_ar, ar_round)
+        out.update(kind="tree", **choice)
+        best = choice["best"]
+        out["overrides"] = [f"decode.tree.total_tokens={best['total_tokens']}"] if best else []
+    return out
+
+
+def _no_draft():
+    from .decoding import NoDraft
+
+    return NoDraft()
+
+
+def run_tune(cfg) -> dict:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from .eval import make_proposer
+
+    job = OmegaConf.to_object(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    model, tokenizer, path, tname, prompts = _setup(job)
+    dev = next(model.parameters()).device
+    method = job.decode.method
+    drafter = None
+    if method == "eagle3":
+        drafter = _load_eagle3(job.drafter, model)
+        if drafter is None:
+            raise DraftTrainError("tune: decode.method=eagle3 needs drafter=<saved drafter directory>")
+    if method not in ("eagle3", "draft_model", "pld"):
+        raise DraftTrainError(f"tune: decode.method={method}: tune eagle3 (chain or tree), draft_model or pld")
+    max_len = max(len(p) for p in prompts) + job.max_new_tokens + max(job.max_draft_tokens, *job.tree_sizes) + 8
+    if method == "draft_model" and job.decode.draft_model:
+        dm, _, _ = load_draft_model(job.decode.draft_model, job.target, dev)
+        proposer = make_proposer(method, drafter=dm, decode=job.decode, max_len=max_len, device=dev)
+    else:
+        proposer = make_proposer(method, drafter=drafter, decode=job.decode, max_len=max_len, device=dev)
+    taps = tuple(drafter.config.tap_layers) if drafter is not None else None
+    res = tune(model, tokenizer, prompts, proposer, job.decode, taps=taps, method=method,
+               max_draft_tokens=job.max_draft_tokens, tree_sizes=job.tree_sizes, max_new_tokens=job.max_new_tokens,
+               repeats=job.repeats)
+    res.update(target=tname, drafter=job.drafter, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    rows = res["rows"]
+    key = "K" if res["kind"] == "chain" else "total_tokens"
+    print("\n" + "\n".join(
+        [f"{key:>12} {'tau':>6} {'round ms':>9} {'tok/s':>8} {'vs AR':>6}"] +
+        [f"{r[key]:>12} {r['tau']:>6.2f} {1e3 * r['round_time_s']:>9.2f} {r['tokens_per_s']:>8.1f} "
+         f"{(r['speedup_vs_ar'] or 0):>5.2f}x" for r in rows]), flush=True)
+    print("[drafttrain] tune picks: " + " ".join(res["overrides"]), flush=True)
+    write_json(run_dir / "tune.json", res)
+    return res
