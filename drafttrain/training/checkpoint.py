@@ -8,6 +8,13 @@ Layout ``<run>/checkpoints/step_00000100/``:
 
 The data position is the step (see batching.py), so no data-loader state is needed. A checkpoint directory
 appears under its final name only when complete (built under a temporary name, then renamed).
+
+The layout does not depend on how the run was distributed: under DeepSpeed ZeRO-2/3 (and FSDP) the full
+weights (fp32 masters) and the full AdamW state are gathered on save (:func:`gather_state`, a collective)
+and written in the plain single-process layout, so a checkpoint saved by N processes under ZeRO-3 resumes
+in 1 process (or under DDP, or under ZeRO with another process count) and loads into the decoder.
+DeepSpeed's own sharded checkpoint files are not used; :func:`restore_deepspeed_optimizer` scatters a
+saved AdamW state into a DeepSpeed optimizer after ``accelerator.prepare``.
 """
 from __future__ import annotations
 
@@ -33,7 +40,19 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / STATE).exists())
 
 
+def _skip(name: str) -> bool:
+    # the frozen embedding is a copy of the target's: rebuilt from the target, not checkpointed
+    return name.endswith("embed_tokens.weight")
+
+
 def save_checkpoint(path: Path, drafter, optimizer, scheduler, step: int, meta: dict) -> None:
+    """Single-process save (the weights and optimizer are not sharded)."""
+    weights = {k: v for k, v in drafter.state_dict().items() if not _skip(k)}
+    write_checkpoint(path, weights, optimizer.state_dict(), scheduler, step, meta)
+
+
+def write_checkpoint(path: Path, weights: dict, optimizer_state: dict, scheduler, step: int, meta: dict) -> None:
+    """Write a checkpoint from already gathered full weights and a plain (torch AdamW layout) optimizer state."""
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -41,12 +60,141 @@ def save_checkpoint(path: Path, drafter, optimizer, scheduler, step: int, meta: 
     state = dict(meta)
     state.update(step=step, scheduler=scheduler.state_dict(), python_random=list(random.getstate()[1]))
     with atomic_dir(path) as tmp:
-        # the frozen embedding is a copy of the target's: rebuilt from the target, not checkpointed
-        weights = {k: v for k, v in drafter.state_dict().items() if not k.endswith("embed_tokens.weight")}
-        save_tensors(tmp / "drafter.safetensors", weights)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        save_tensors(tmp / "drafter.safetensors", {k: v for k, v in weights.items() if not _skip(k)})
+        torch.save(optimizer_state, tmp / "optimizer.pt")
         save_tensors(tmp / "rng.safetensors", rng)
         write_json(tmp / STATE, state)
+
+
+# ------------------------------------------------------------------------------ distributed (ZeRO, FSDP)
+def param_order(drafter, optimizer) -> list[list[str]]:
+    """Parameter names of each optimizer group, in state-dict order. Call before ``accelerator.prepare``
+    (DeepSpeed replaces the groups' parameters by flat partitions)."""
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    groups = []
+    for g in optimizer.param_groups:
+        missing = [tuple(p.shape) for p in g["params"] if id(p) not in names]
+        if missing:
+            raise DraftTrainError(f"optimizer parameters {missing[:3]} are not parameters of the drafter")
+        groups.append([names[id(p)] for p in g["params"]])
+    return groups
+
+
+def _distributed_kind(accelerator) -> str:
+    return str(getattr(accelerator, "distributed_type", "NO")).split(".")[-1]
+
+
+def _ds_inner_optimizer(optimizer):
+    """The torch optimizer under accelerate's wrapper and DeepSpeed's ZeRO optimizer."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # accelerate wrapper -> DeepSpeed ZeRO optimizer
+    return getattr(opt, "optimizer", opt)  # ZeRO optimizer -> torch AdamW over flat partitions
+
+
+def gather_state(accelerator, wrapped, drafter, optimizer, order: list[list[str]]) -> tuple[dict, dict]:
+    """Full weights and AdamW state in the single-process layout. A collective under ZeRO-3 and FSDP: every
+    process must call it; the result is complete on the main process (others may get partial copies)."""
+    kind = _distributed_kind(accelerator)
+    flat = [n for g in order for n in g]
+    if kind == "DEEPSPEED":
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        params = dict(drafter.named_parameters())
+        weights = {}
+        for name, value in drafter.state_dict().items():
+            if _skip(name):
+                continue
+            p = params.get(name)
+            if p is None:  # a buffer (d2t, t2d): never partitioned
+                weights[name] = value.detach().cpu()
+            elif p.requires_grad:  # the fp32 master of a trained parameter
+                weights[name] = safe_get_full_fp32_param(p).detach().cpu().reshape(getattr(p, "ds_shape", p.shape))
+            else:
+                with deepspeed.zero.GatheredParameters([p]):
+                    weights[name] = p.detach().cpu().clone()
+        inner = _ds_inner_optimizer(optimizer)
+        steps = [float(s["step"]) for s in inner.state.values() if "step" in s]
+        state = {}
+        for i, name in enumerate(flat):
+            m1 = safe_get_full_optimizer_state(params[name], "exp_avg")
+            m2 = safe_get_full_optimizer_state(params[name], "exp_avg_sq")
+            if m1 is not None and m2 is not None and steps:
+                shape = params[name].ds_shape if hasattr(params[name], "ds_shape") else params[name].shape
+                state[i] = {"step": torch.tensor(steps[0]), "exp_avg": m1.detach().cpu().reshape(shape),
+                            "exp_avg_sq": m2.detach().cpu().reshape(shape)}
+        groups, start = [], 0
+        for gi, names in enumerate(order):
+            hyper = {k: v for k, v in inner.param_groups[gi].items() if k != "params"}
+            groups.append({**hyper, "params": list(range(start, start + len(names)))})
+            start += len(names)
+        return weights, {"state": state, "param_groups": groups}
+    if kind == "FSDP":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        full = accelerator.get_state_dict(wrapped)
+        weights = {k: v.detach().cpu() for k, v in full.items() if not _skip(k)}
+        osd = get_optimizer_state_dict(wrapped, getattr(optimizer, "optimizer", optimizer),
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # keyed by parameter name: convert to the index layout of a plain optimizer
+        pos = {n: i for i, n in enumerate(flat)}
+        state = {pos[_strip_prefix(k, pos)]: v for k, v in osd["state"].items()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [pos[_strip_prefix(n, pos)] for n in g["params"]]} for g in osd["param_groups"]]
+        return weights, {"state": state, "param_groups": groups}
+    weights = {k: v for k, v in drafter.state_dict().items() if not _skip(k)}
+    return weights, optimizer.state_dict()
+
+
+def _strip_prefix(name: str, known: dict) -> str:
+    """FSDP/compile wrappers may prefix parameter names; find the drafter's own name."""
+    if name in known:
+        return name
+    for cand in known:
+        if name.endswith("." + cand):
+            return cand
+    raise DraftTrainError(f"optimizer state has an unknown parameter {name!r}")
+
+
+def restore_deepspeed_optimizer(optimizer, drafter, weights: dict, optimizer_state: dict,
+                                order: list[list[str]]) -> None:
+    """Scatter saved fp32 master weights and AdamW moments into a DeepSpeed ZeRO optimizer (after prepare).
+
+    DeepSpeed creates Adam's state lazily at the first step, so it is created here (zeros, saved step) and
+    then filled through DeepSpeed's fragment API, which maps full tensors onto this rank's partitions."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    zero = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO optimizer
+    inner = _ds_inner_optimizer(optimizer)
+    saved = optimizer_state.get("state", {})
+    steps = {float(s["step"]) for s in saved.values() if "step" in s}
+    if len(steps) > 1:
+        raise DraftTrainError(f"optimizer state has parameters at different steps {sorted(steps)}")
+    step = steps.pop() if steps else 0.0
+    # the flat fp32 partitions DeepSpeed steps its torch optimizer on (stage 3 / stages 1-2)
+    flats = getattr(zero, "fp32_partitioned_groups_flat", None) or getattr(zero, "single_partition_of_fp32_groups", None)
+    if flats is None:
+        raise DraftTrainError(f"cannot restore optimizer state into {type(zero).__name__} (not a ZeRO optimizer)")
+    if saved:
+        for fp in flats:
+            st = inner.state[fp]
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(fp)
+                st["exp_avg_sq"] = torch.zeros_like(fp)
+            st["step"] = torch.tensor(step, dtype=torch.float32)
+        if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # stages 1-2 link the state after step 1
+            zero._lazy_init_hp_params_optimizer_state()
+    for gi, g in enumerate(optimizer_state.get("param_groups", [])[: len(inner.param_groups)]):
+        for key in ("lr", "initial_lr"):  # the scheduler's current value; prepare does not keep it
+            if key in g:
+                inner.param_groups[gi][key] = g[key]
+    params = dict(drafter.named_parameters())
+    for i, name in enumerate(n for g in order for n in g):
+        p = params[name]
+        if name in weights:
+            safe_set_full_fp32_param(p, weights[name].to(torch.float32))
+        if i in saved:
+            safe_set_full_optimizer_state(p, saved[i]["exp_avg"].float(), "exp_avg")
+            safe_set_full_optimizer_state(p, saved[i]["exp_avg_sq"].float(), "exp_avg_sq")
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
@@ -87,14 +235,18 @@ def check_compatible(meta: dict, expected: dict, path: Path) -> None:
 
 
 def load_checkpoint(path: Path, drafter, optimizer, scheduler) -> int:
-    """Restore weights, optimizer, scheduler and RNG in place; return the step to continue from."""
+    """Restore weights, optimizer, scheduler and RNG in place; return the step to continue from.
+
+    ``optimizer=None`` leaves the optimizer alone (DeepSpeed: :func:`restore_deepspeed_optimizer` after
+    prepare, with :func:`load_weights` and :func:`load_optimizer_state`)."""
     path = Path(path)
     meta = read_checkpoint_meta(path)
-    state = load_tensors(path / "drafter.safetensors")
+    state = load_weights(path)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if not k.endswith("embed_tokens.weight")]:
         raise DraftTrainError(f"{path}: weights do not match this drafter (missing {missing}, unexpected {unexpected})")
-    optimizer.load_state_dict(torch_load_safe(path / "optimizer.pt"))
+    if optimizer is not None:
+        optimizer.load_state_dict(load_optimizer_state(path))
     scheduler.load_state_dict(meta["scheduler"])
     rng = load_tensors(path / "rng.safetensors")
     torch.set_rng_state(rng["torch_cpu"])
@@ -104,3 +256,12 @@ def load_checkpoint(path: Path, drafter, optimizer, scheduler) -> int:
             torch.cuda.set_rng_state_all(states)
     random.setstate((3, tuple(meta["python_random"]), None))
     return int(meta["step"])
+
+
+def load_weights(path: Path) -> dict:
+    return load_tensors(Path(path) / "drafter.safetensors")
+
+
+def load_optimizer_state(path: Path) -> dict:
+    """The saved optimizer state (tensors and numbers only: ``weights_only=True``)."""
+    return torch_load_safe(Path(path) / "optimizer.pt")

@@ -64,6 +64,17 @@ class Eagle3Method:
         taps = torch.cat([out.hidden_states[i] for i in self.taps], dim=-1)
         return Capture(taps=taps, logits=out.logits.float())
 
+    # capture.mode=offline: the loop reads these features of the batch's rows from the store
+    offline_features = ("taps", "last_hidden")
+
+    @torch.no_grad()
+    def capture_from_features(self, target_model, batch, feats: dict) -> Capture:
+        """Offline capture: stored taps; teacher logits recomputed with the target's lm_head from the stored
+        last hidden state (the lm_head input), as in the online forward."""
+        head = target_model.get_output_embeddings()
+        logits = head(feats["last_hidden"].to(head.weight.dtype)).float()
+        return Capture(taps=feats["taps"], logits=logits)
+
     def valid_masks(self, drafter, batch, cap: Capture) -> list[torch.Tensor]:
         T = batch["input_ids"].shape[1]
         return [

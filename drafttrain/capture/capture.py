@@ -1,0 +1,296 @@
+"""Offline hidden-state capture: run the frozen target once over the training data and store what training
+needs (store.py describes the files), so training no longer runs the target's layers.
+
+``drafttrain capture`` (or ``accelerate launch --num_processes N -m drafttrain.cli capture …``: each rank
+captures the shards ``k % N == rank``) prints a storage estimate, shows progress, and resumes after an
+interruption. ``drafttrain train capture.mode=offline capture.path=DIR`` trains from the result.
+
+Features per method: EAGLE-3 stores the three taps and the last hidden state (the lm_head input, from which
+training recomputes the teacher logits); Medusa-1 and distillation store the last hidden state. Medusa-2
+trains LoRA adapters inside the target, so its hidden states change during training: no offline mode.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from ..io import DraftTrainError, read_json, write_json
+from . import store as S
+
+FEATURES_BY_METHOD = {"eagle3": ("taps", "last_hidden"), "medusa": ("last_hidden",), "distill": ("last_hidden",)}
+
+
+def feature_widths(method: str, hidden_size: int) -> dict[str, int]:
+    if method not in FEATURES_BY_METHOD:
+        extra = " (Medusa-2 trains adapters inside the target: its hidden states change, use capture.mode=online)" \
+            if method == "medusa2" else ""
+        raise DraftTrainError(f"method={method}: no offline capture for this method{extra}; expected one of "
+                              f"{', '.join(FEATURES_BY_METHOD)}")
+    widths = {"taps": 3 * hidden_size, "last_hidden": hidden_size}
+    return {name: widths[name] for name in FEATURES_BY_METHOD[method]}
+
+
+def _hidden_size(model) -> int:
+    from ..targets.load import text_config
+
+    return int(text_config(model.config).hidden_size)
+
+
+@torch.no_grad()
+def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, taps: Sequence[int] | None
+                    ) -> dict[str, torch.Tensor]:
+    """One target forward without the LM head: ``{"last_hidden": [B,T,H]}`` (what the lm_head reads) plus
+    ``"taps"`` ``[B,T,3H]`` (HF ``hidden_states[i]`` for i in ``taps``, concatenated) when ``taps`` is given."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
+    want_hs = taps is not None
+    if dec is not None and dec is not model:
+        out = dec(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=want_hs, use_cache=False)
+        last = out.last_hidden_state
+        hs = out.hidden_states
+    else:  # no separate decoder: record the lm_head input with a hook
+        seen: list[torch.Tensor] = []
+        handle = model.get_output_embeddings().register_forward_pre_hook(lambda _m, a: seen.append(a[0]))
+        try:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=want_hs,
+                        use_cache=False)
+        finally:
+            handle.remove()
+        if len(seen) != 1 or seen[0].shape[:2] != input_ids.shape:
+            raise DraftTrainError("offline capture: could not record the input of the target's lm_head")
+        last, hs = seen[0], out.hidden_states
+    feats = {"last_hidden": last}
+    if want_hs:
+        feats["taps"] = torch.cat([hs[i] for i in taps], dim=-1)
+    return feats
+
+
+@torch.no_grad()
+def check_head_reproduces_logits(model, batch: dict, last_hidden: torch.Tensor) -> float:
+    """Training recomputes the teacher logits as ``lm_head(last_hidden)``; refuse a target where that is not
+    the model's output (e.g. logit soft-capping or scaling after the head). Returns the max abs difference."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    head = model.get_output_embeddings()
+    mine = head(last_hidden.to(head.weight.dtype))
+    m = batch["attention_mask"].bool()
+    diff = (mine.float() - logits.float())[m].abs().max().item()
+    scale = logits.float()[m].abs().max().item()
+    tol = (1e-4 if logits.dtype == torch.float32 else 2e-2) * max(1.0, scale)
+    if not diff <= tol:
+        raise DraftTrainError(
+            f"offline capture: this target's logits are not lm_head(last hidden state) (max difference {diff:.3g}, "
+            f"e.g. soft-capping or scaling after the head); train it with capture.mode=online"
+        )
+    return diff
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _length_batches(indices: Sequence[int], lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length (longest first), to waste little compute on padding."""
+    order = sorted(indices, key=lambda i: -lengths[i])
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def make_plan(examples: list[dict], method: str, taps, hidden_size: int, dtype: str, shard_mb: float,
+              target_name: str) -> dict:
+    widths = feature_widths(method, hidden_size)
+    bpt = S.bytes_per_token(widths, S.store_dtype(dtype))
+    lengths = [len(ex["input_ids"]) for ex in examples]
+    if not examples:
+        raise DraftTrainError("capture: the training set is empty")
+    if shard_mb <= 0:
+        raise DraftTrainError(f"capture.shard_mb={shard_mb}: must be > 0")
+    per_shard = max(1, int(shard_mb * 2**20 // bpt))
+    return {
+        "format_version": S.FORMAT_VERSION,
+        "method": method,
+        "features": widths,
+        "dtype": dtype,
+        "taps": [int(t) for t in taps] if "taps" in widths else None,
+        "target": target_name,
+        "hidden_size": hidden_size,
+        "num_examples": len(examples),
+        "tokens": int(sum(lengths)),
+        "bytes_per_token": bpt,
+        "tokens_per_shard": per_shard,
+        "data_fingerprint": S.data_fingerprint(examples),
+        "shards": [list(r) for r in S.plan_shards(lengths, per_shard)],
+    }
+
+
+def _check_same_plan(found: dict, plan: dict, directory: Path) -> None:
+    diff = [k for k in plan if found.get(k) != plan[k]]
+    if diff:
+        raise DraftTrainError(
+            f"capture.path={directory} holds a capture made with different {', '.join(diff)}; use a new "
+            f"capture.path (or delete it) to capture with these settings"
+        )
+
+
+def run_capture(model, examples: list[dict], out_dir: str | Path, *, method: str, taps=None, dtype: str = "bfloat16",
+                batch_size: int = 8, shard_mb: float = 1024.0, target_name: str = "", pad_id: int = 0,
+                rank: int = 0, world: int = 1, barrier: Callable[[], None] | None = None,
+                progress: bool = True, say: Callable[[str], None] | None = None) -> dict:
+    """Capture ``examples`` into ``out_dir`` (resumable, multi-process). Returns stats of this rank."""
+    from tqdm.auto import tqdm
+
+    from ..data.chat import collate
+
+    out = Path(out_dir)
+    barrier = barrier or (lambda: None)
+    say = say or (lambda msg: print(f"[drafttrain] {msg}", flush=True))
+    if batch_size <= 0:
+        raise DraftTrainError(f"capture.batch_size={batch_size}: must be > 0")
+    device = next(model.parameters()).device
+    plan = make_plan(examples, method, taps, _hidden_size(model), dtype, shard_mb, target_name)
+    sdtype = S.store_dtype(dtype)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / S.PLAN).exists():
+            if any(p for p in out.iterdir() if not p.name.startswith(".")):
+                raise DraftTrainError(f"capture.path={out}: directory is not empty and holds no capture plan")
+            write_json(out / S.PLAN, plan)
+    barrier()
+    _check_same_plan(read_json(out / S.PLAN), plan, out)
+
+    n_shards = len(plan["shards"])
+    mine = [k for k in range(n_shards) if k % world == rank]
+    done = {k: S.read_record(out, k) for k in range(n_shards)}
+    todo_tokens = sum(sum(len(examples[i]["input_ids"]) for i in range(*plan["shards"][k]))
+                      for k in range(n_shards) if done[k] is None)
+    if rank == 0:
+        total = plan["tokens"] * plan["bytes_per_token"]
+        free = shutil.disk_usage(out).free
+        say(f"capture: {plan['num_examples']} examples, {plan['tokens']} tokens, {plan['bytes_per_token']} bytes/token "
+            f"({' + '.join(f'{n} {w}' for n, w in plan['features'].items())} x {dtype}, ids, mask) -> "
+            f"{total / 2**30:.3f} GiB in {n_shards} shards; still to write {todo_tokens * plan['bytes_per_token'] / 2**30:.3f} "
+            f"GiB, {free / 2**30:.1f} GiB free on {out}")
+        if todo_tokens * plan["bytes_per_token"] > free:
+            raise DraftTrainError(f"capture.path={out}: needs {todo_tokens * plan['bytes_per_token'] / 2**30:.2f} GiB "
+                                  f"more, only {free / 2**30:.2f} GiB free")
+    lengths = [len(ex["input_ids"]) for ex in examples]
+    stats = {"rank": rank, "shards_written": 0, "shards_skipped": 0, "tokens": 0, "bytes_written": 0,
+             "forward_seconds": 0.0, "seconds": 0.0}
+    my_tokens = sum(lengths[i] for k in mine for i in range(*plan["shards"][k]))
+    bar = tqdm(total=my_tokens, desc=f"capture rank {rank}/{world}", unit="tok", disable=not (progress and rank == 0),
+               mininterval=2.0)
+    t0 = time.time()
+    checked_head = False
+    meta = {"format": "pt", "drafttrain_capture": str(S.FORMAT_VERSION), "dtype": dtype}
+    for k in mine:
+        start, end = plan["shards"][k]
+        if done[k] is not None:  # resumed: make sure the recorded shard is intact before trusting it
+            S.check_shard(out, plan, done[k], checksum=True)
+            stats["shards_skipped"] += 1
+            bar.update(sum(lengths[start:end]))
+            continue
+        per_example: dict[int, dict[str, torch.Tensor]] = {}
+        for idx in _length_batches(range(start, end), lengths, batch_size):
+            mb = collate([examples[i] for i in idx], pad_id)
+            mb = {key: v.to(device) for key, v in mb.items()}
+            _sync(device)
+            tf = time.time()
+            feats = target_features(model, mb["input_ids"], mb["attention_mask"],
+                                    plan["taps"] if "taps" in plan["features"] else None)
+            _sync(device)
+            stats["forward_seconds"] += time.time() - tf
+            if not checked_head:
+                check_head_reproduces_logits(model, mb, feats["last_hidden"])
+                checked_head = True
+            for b, i in enumerate(idx):
+                n = lengths[i]
+                per_example[i] = {name: feats[name][b, :n].to("cpu", sdtype) for name in plan["features"]}
+                if not all(torch.isfinite(t).all() for t in per_example[i].values()):
+                    raise DraftTrainError(f"capture: non-finite hidden states for example {i} (target dtype overflow?)")
+            bar.update(sum(lengths[i] for i in idx))
+        ids = list(range(start, end))
+        tensors = S.pack_shard(ids, [examples[i] for i in ids],
+                               {name: [per_example[i][name] for i in ids] for name in plan["features"]}, sdtype)
+        rec = S.write_shard(out, k, tensors, meta)
+        stats["shards_written"] += 1
+        stats["tokens"] += rec["tokens"]
+        stats["bytes_written"] += rec["bytes"]
+    bar.close()
+    stats["seconds"] = time.time() - t0
+    stats["tokens_per_s"] = stats["tokens"] / stats["seconds"] if stats["tokens"] and stats["seconds"] else None
+    barrier()
+    if rank == 0:
+        records = [S.read_record(out, k) for k in range(n_shards)]
+        missing = [S.shard_name(k) for k, r in enumerate(records) if r is None]
+        if missing:
+            raise DraftTrainError(f"capture.path={out}: shards {missing[:3]} are still missing after every rank finished")
+        total_bytes = sum(r["bytes"] for r in records)
+        write_json(out / S.INDEX, {
+            "format_version": S.FORMAT_VERSION,
+            "plan": plan,
+            "shards": records,
+            "tokens": plan["tokens"],
+            "bytes": total_bytes,
+            "bytes_per_token_on_disk": total_bytes / max(1, plan["tokens"]),
+        })
+        say(f"capture: done -> {out} ({total_bytes / 2**20:.1f} MiB, {total_bytes / max(1, plan['tokens']):.1f} bytes/token "
+            f"on disk; this rank wrote {stats['shards_written']} shards, reused {stats['shards_skipped']})")
+    barrier()
+    return stats
+
+
+@torch.no_grad()
+def forward_throughput(model, examples: list[dict], batch_size: int, pad_id: int = 0) -> dict:
+    """Plain target forward (``model(input_ids, attention_mask)``, logits included) over the same tokens and
+    batches as a capture: the baseline for the capture's throughput."""
+    from ..data.chat import collate
+
+    device = next(model.parameters()).device
+    lengths = [len(ex["input_ids"]) for ex in examples]
+    tokens, seconds = 0, 0.0
+    for idx in _length_batches(range(len(examples)), lengths, batch_size):
+        mb = {k: v.to(device) for k, v in collate([examples[i] for i in idx], pad_id).items()}
+        _sync(device)
+        t = time.time()
+        model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False)
+        _sync(device)
+        seconds += time.time() - t
+        tokens += sum(lengths[i] for i in idx)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None}
+
+
+def run_capture_job(cfg) -> dict:
+    """``drafttrain capture``: the target and data of a training job, written to ``capture.path``."""
+    from accelerate import PartialState
+    from omegaconf import OmegaConf
+
+    from ..targets.load import load_target, resolve_device, resolve_taps, num_layers, target_id
+    from ..training.loop import load_training_data
+
+    job = OmegaConf.to_object(cfg)
+    c = job.capture
+    if not c.path:
+        raise DraftTrainError("capture.path is required (the directory to write the features to)")
+    device = resolve_device(job.target.device)
+    state = PartialState(cpu=device.type == "cpu")
+    if job.target.device == "auto" and device.type == "cuda":
+        device = state.device
+    rank, world = state.process_index, state.num_processes
+    with state.main_process_first():
+        model, tokenizer, path = load_target(job.target, device=device)
+    tname = target_id(path)
+    with state.main_process_first():
+        examples, _, dstats = load_training_data(job, model, tokenizer, tname, Path(c.path))
+    taps = resolve_taps(num_layers(model), job.eagle3.tap_layers) if job.method == "eagle3" else None
+    if state.is_main_process:
+        print(f"[drafttrain] capture: target {tname}, method {job.method}, data {dstats}, {world} process(es)",
+              flush=True)
+    stats = run_capture(model, examples, c.path, method=job.method, taps=taps, dtype=c.dtype,
+                        batch_size=c.batch_size, shard_mb=c.shard_mb, target_name=tname,
+                        pad_id=tokenizer.pad_token_id, rank=rank, world=world, barrier=state.wait_for_everyone,
+                        say=(lambda m: print(f"[drafttrain] {m}", flush=True)) if state.is_main_process else (lambda m: None))
+    if state.is_main_process:
+        print(f"[drafttrain] capture rank 0 stats: {stats}", flush=True)
+    return stats
