@@ -387,9 +387,14 @@ def evaluate_drafter(model, tokenizer, drafter, decode, eval_convs, run_dir, *, 
                     drafter_name=drafter_name, taps=taps, train_estimated_tau=train_estimated_tau, extra=extra)
 
 
-def load_drafter(path: str, device):
+def load_drafter(path: str, device, target_model=None):
     cfg = read_json(Path(path) / "config.json")
     kind = cfg.get("drafter_type")
+    if kind is None:  # `drafttrain export` output (vLLM speculators / SGLang flat EAGLE-3 layouts)
+        from .export import exported_layout, load_exported_eagle3
+
+        if exported_layout(cfg):
+            return load_exported_eagle3(path, target_model=target_model, device=device)
     if kind == "eagle3":
         from .drafters.eagle3 import Eagle3Drafter
 
@@ -436,7 +441,10 @@ def run_eval(cfg) -> dict:
     if job.drafter:
         if not (Path(job.drafter) / "config.json").exists():
             raise DraftTrainError(f"drafter={job.drafter}: not a saved drafter directory (no config.json)")
-        recorded = read_json(Path(job.drafter) / "config.json").get("target_name_or_path") or None
+        from .export import exported_target  # an exported vLLM layout names its verifier
+
+        dcfg = read_json(Path(job.drafter) / "config.json")
+        recorded = dcfg.get("target_name_or_path") or exported_target(dcfg) or None
     if job.target.name_or_path == "auto":
         job.target.name_or_path = recorded if recorded and Path(recorded).exists() else (recorded or "builtin")
     model, tokenizer, path = load_target(job.target)
@@ -461,7 +469,7 @@ def run_eval(cfg) -> dict:
             model, drafter, extra = load_medusa(job.drafter, model, next(model.parameters()).device)
             dvocab = drafter.vocab_size
         else:
-            drafter = load_drafter(job.drafter, next(model.parameters()).device)
+            drafter = load_drafter(job.drafter, next(model.parameters()).device, target_model=model)
             dvocab = drafter.config.vocab_size
         if dvocab != model.get_output_embeddings().weight.shape[0]:
             raise DraftTrainError(

@@ -1,1 +1,147 @@
+"""``drafttrain export drafter=DIR format=vllm|sglang|hf out=OUT``: a trained drafter in a serving layout.
 
+==============  =========================================================================================
+drafter         formats
+==============  =========================================================================================
+EAGLE-3         ``vllm``: speculators layout (``vllm serve OUT``); ``sglang``: flat
+                ``LlamaForCausalLMEagle3`` layout (``--speculative-draft-model-path OUT``). See export/eagle3.py.
+Medusa-1        ``vllm``: ``model_type: medusa``, ``blocks.{h}.layers.{l}.{weight,bias}``, ``lm_heads.{h}.weight``
+                (SGLang has no Medusa).
+Medusa-2        ``vllm``: ``heads/`` in the Medusa-1 layout, ``adapter/`` the target's LoRA adapter (peft),
+                ``config.json`` pointing at both. Serve the target with the adapter merged.
+distilled (LM)  ``hf`` (also accepted: ``vllm``, ``sglang``): a plain HF model directory (``save_pretrained``,
+                safetensors) plus the tokenizer when the drafter has one.
+==============  =========================================================================================
+
+The output directory is built under a temporary name and renamed into place; a non-empty ``out`` is refused
+unless ``overwrite=true``. Every exported EAGLE-3 / Medusa directory loads back into ``drafttrain eval``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..io import DraftTrainError, atomic_dir, read_json, write_json
+from .eagle3 import export_dtype, exported_layout, exported_target, load_exported_eagle3, write_eagle3
+
+__all__ = ["export_drafter", "run_export", "exported_layout", "exported_target", "load_exported_eagle3", "FORMATS"]
+
+FORMATS = ("vllm", "sglang", "hf")
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists():
+        if not out.is_dir():
+            raise DraftTrainError(f"out={out}: exists and is not a directory")
+        if any(out.iterdir()) and not overwrite:
+            raise DraftTrainError(f"out={out}: directory is not empty (pass overwrite=true to replace it)")
+
+
+def _medusa_heads_files(src: Path, tmp: Path, dtype: torch.dtype) -> None:
+    """A MedusaHeads directory in vLLM's Medusa layout (config keys vLLM reads + ours, cast tensors)."""
+    from ..io import load_tensors, save_tensors
+
+    cfg = read_json(src / "config.json")
+    if cfg.get("drafter_type") != "medusa":
+        raise DraftTrainError(f"{src}/config.json: not a Medusa heads directory")
+    cfg["model_type"] = "medusa"
+    cfg["architectures"] = ["MedusaModel"]
+    cfg["num_hidden_layers"] = int(cfg["num_layers"])  # vLLM's name (its loader renames num_layers to it too)
+    cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    sd = load_tensors(src / "model.safetensors")
+    want_bias = bool(cfg.get("medusa_fc_bias", True))
+    if want_bias != any(k.endswith(".bias") for k in sd):
+        raise DraftTrainError(f"{src}: medusa_fc_bias={want_bias} disagrees with the tensors (vLLM would silently "
+                              "skip or miss the biases)")
+    write_json(tmp / "config.json", cfg)
+    save_tensors(tmp / "model.safetensors", {k: v.to(dtype) for k, v in sd.items()}, metadata={"format": "pt"})
+
+
+def _export_draft_lm(src: Path, tmp: Path, dtype: torch.dtype) -> None:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise DraftTrainError(f"{src}: cannot load the draft model ({str(e).splitlines()[0]})") from None
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    for name in os.listdir(src):  # the tokenizer (the target's), when the drafter carries it
+        if name.startswith(("tokenizer", "special_tokens_map", "chat_template")) or name == "vocab.json" or \
+                name == "merges.txt":
+            shutil.copy2(src / name, tmp / name)
+
+
+def export_drafter(drafter: str | os.PathLike, fmt: str, out: str | os.PathLike, *, overwrite: bool = False,
+                   dtype: str = "bfloat16", verifier: str | None = None, num_speculative_tokens: int = 3) -> Path:
+    """Export the saved drafter directory ``drafter`` to ``out`` in format ``fmt``; return ``out``."""
+    src, out = Path(drafter), Path(out)
+    if fmt not in FORMATS:
+        raise DraftTrainError(f"format={fmt}: expected one of {', '.join(FORMATS)}")
+    if not (src / "config.json").exists():
+        raise DraftTrainError(f"drafter={src}: not a saved drafter directory (no config.json)")
+    if out.resolve() == src.resolve():
+        raise DraftTrainError(f"out={out}: is the drafter directory itself")
+    _check_out(out, overwrite)
+    tdtype = export_dtype(dtype)
+    kind = read_json(src / "config.json").get("drafter_type")
+    with atomic_dir(out, overwrite=True) as tmp:
+        if kind == "eagle3":
+            from ..drafters.eagle3 import Eagle3Drafter
+
+            d = Eagle3Drafter.from_pretrained(src)
+            write_eagle3(d, fmt, tmp, dtype=dtype, verifier=verifier or d.config.target_name_or_path,
+                         num_speculative_tokens=num_speculative_tokens)
+        elif kind in ("medusa", "medusa2"):
+            if fmt != "vllm":
+                raise DraftTrainError(f"format={fmt}: Medusa drafters export for vLLM only (SGLang has no Medusa)")
+            if kind == "medusa":
+                _medusa_heads_files(src, tmp, tdtype)
+            else:
+                cfg = read_json(src / "config.json")
+                heads, adapter = cfg.get("heads", "heads"), cfg.get("adapter", "adapter")
+                (tmp / heads).mkdir()
+                _medusa_heads_files(src / heads, tmp / heads, tdtype)
+                if not (src / adapter / "adapter_config.json").exists():
+                    raise DraftTrainError(f"{src / adapter}: no LoRA adapter (adapter_config.json) in this Medusa-2 drafter")
+                shutil.copytree(src / adapter, tmp / adapter)
+                write_json(tmp / "config.json", cfg)
+        elif kind == "draft_lm":
+            _export_draft_lm(src, tmp, tdtype)
+        else:
+            raise DraftTrainError(f"drafter={src}: unknown drafter_type {kind!r} (expected eagle3, medusa, medusa2 or "
+                                  "draft_lm)")
+    return out
+
+
+def serve_hint(kind_dir: Path, fmt: str) -> str:
+    cfg = read_json(kind_dir / "config.json")
+    if exported_layout(cfg) == "vllm":
+        return f"vllm serve {kind_dir}"
+    if exported_layout(cfg) == "sglang":
+        return (f"python -m sglang.launch_server --model <target> --speculative-algorithm EAGLE3 "
+                f"--speculative-draft-model-path {kind_dir} --speculative-num-steps 5 --speculative-eagle-topk 4 "
+                f"--speculative-num-draft-tokens 8")
+    if cfg.get("drafter_type") == "medusa":
+        return (f"vllm serve <target> --speculative-config '{{\"method\": \"medusa\", \"model\": \"{kind_dir}\", "
+                f"\"num_speculative_tokens\": {cfg.get('num_heads', 4)}}}'")
+    if cfg.get("drafter_type") == "medusa2":
+        return (f"merge {kind_dir}/{cfg.get('adapter', 'adapter')} into the target (peft merge_and_unload), then "
+                f"vllm serve <merged target> --speculative-config '{{\"method\": \"medusa\", \"model\": "
+                f"\"{kind_dir}/{cfg.get('heads', 'heads')}\", \"num_speculative_tokens\": 4}}'")
+    return (f"vllm serve <target> --speculative-config '{{\"model\": \"{kind_dir}\", \"num_speculative_tokens\": 4}}'  "
+            f"|  python -m sglang.launch_server --model <target> --speculative-algorithm STANDALONE "
+            f"--speculative-draft-model-path {kind_dir}")
+
+
+def run_export(cfg) -> Path:
+    from omegaconf import OmegaConf
+
+    job = OmegaConf.to_object(cfg)
+    out = export_drafter(job.drafter, job.format, job.out, overwrite=job.overwrite, dtype=job.dtype,
+                         verifier=job.verifier, num_speculative_tokens=job.num_speculative_tokens)
+    print(f"[drafttrain] exported {job.drafter} -> {out} (format={job.format}, dtype={job.dtype})", flush=True)
+    print(f"[drafttrain] serve: {serve_hint(out, job.format)}", flush=True)
+    return out

@@ -128,6 +128,8 @@ def run_train(cfg) -> dict | None:
     plan = batching.make_plan(tc.batch_size, tc.micro_batch_size, world)
     accelerator.gradient_accumulation_steps = plan.accumulation
     _configure_deepspeed(accelerator, plan, tc)
+    setup = contextlib.ExitStack()  # ZeRO-3: models built during setup stay whole (the frozen target above all)
+    setup.enter_context(_whole_models(accelerator))
 
     # every process writes into rank 0's run directory (Hydra's timestamped name may differ across ranks)
     shared = [str(hydra_dir)]
@@ -187,6 +189,7 @@ def run_train(cfg) -> dict | None:
         start_step = checkpoint.load_checkpoint(resume_from, drafter, None if deepspeed else optimizer, scheduler)
         say(f"resumed from {resume_from} at step {start_step}")
 
+    setup.close()
     # the scheduler is stepped by hand once per optimizer step (not prepared: that would tie it to world size)
     wrapped, optimizer = accelerator.prepare(drafter, optimizer)
     if resume_from is not None and deepspeed:  # DeepSpeed builds its optimizer state in prepare: fill it now
@@ -349,6 +352,24 @@ def _configure_deepspeed(accelerator, plan, tc) -> None:
         train_micro_batch_size_per_gpu=plan.micro_batch, gradient_accumulation_steps=plan.accumulation,
         train_batch_size=plan.global_batch, gradient_clipping=float(tc.grad_clip) if tc.grad_clip > 0 else 0.0,
     )
+
+
+@contextlib.contextmanager
+def _whole_models(accelerator):
+    """While a ZeRO-3 config is active, transformers partitions every model it loads or builds (zero.Init),
+    including the frozen target, which no DeepSpeed engine owns; hide that config during setup. The drafter
+    is partitioned by ``prepare`` (zero3_init_flag: false)."""
+    if not _zero3(accelerator):
+        yield
+        return
+    from transformers.integrations import deepspeed as hf_ds
+
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = ref
 
 
 def _zero3(accelerator) -> bool:
