@@ -1,0 +1,112 @@
+"""evaluate(): report.json keys for chains and trees (per-depth acceptance, draft shape, verification rule, lossy
+label), acceptance.png and the measured speedup-vs-draft-length sweep (speedup.png); make_proposer's methods."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from drafttrain.config import DecodeConfig, TreeConfig
+from drafttrain.eval import draft_depth, evaluate, make_proposer, medusa_choices_for
+from drafttrain.io import DraftTrainError
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_builtin_target):
+    import transformers as tf
+
+    from drafttrain.drafters.eagle3 import Eagle3Drafter
+    from drafttrain.drafters.medusa import MedusaHeads
+
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_builtin_target).eval()
+    tok = tf.AutoTokenizer.from_pretrained(tiny_builtin_target)
+    V, L = model.config.vocab_size, model.config.num_hidden_layers
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[:256] = True
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(model, (2, L // 2, L - 3), torch.zeros(256, dtype=torch.long), t2d).eval()
+    heads = MedusaHeads.from_target(model, num_heads=3).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [(lambda b: b + b[:5])(torch.randint(10, V, (8,), generator=g).tolist()) for _ in range(2)]
+    return model, tok, drafter, heads, prompts
+
+
+def _decode(**kw):
+    tree = kw.pop("tree", {})
+    return DecodeConfig(max_new_tokens=10, num_prompts=2, warmup=0, sweep_prompts=2, tree=TreeConfig(**tree), **kw)
+
+
+def _run(tiny, tmp_path, method, decode, drafter=None, taps=None):
+    model, tok, *_ = tiny
+    prop = make_proposer(method, drafter=drafter, decode=decode, max_len=128)
+    return evaluate(model, tok, tiny[4], prop, decode, tmp_path, method=method, target_name="tiny",
+                    drafter_name=None, taps=taps), prop
+
+
+def test_report_chain_with_sweep_and_plots(tiny, tmp_path):
+    decode = _decode(method="pld", num_draft_tokens=3, sweep=[1, 3])
+    rep, _ = _run(tiny, tmp_path, "pld", decode)
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk["method"] == "pld" and on_disk["acceptance_unit"] == "position"
+    assert rep["outputs_match_baseline"] is True and rep["verification"].startswith("greedy")
+    assert rep["draft_chain"] == {"kind": "chain", "num_draft_tokens": 3} and rep["lossy"] is False
+    assert [s["draft_tokens"] for s in rep["sweep"]] == [1, 3]
+    assert all(s["speedup"] > 0 and s["tau"] >= 1 for s in rep["sweep"])
+    assert rep["frac_target"] + rep["frac_draft"] + rep["frac_other"] == pytest.approx(1.0)
+    for png in ("acceptance.png", "speedup.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_trees_per_depth(tiny, tmp_path):
+    model, tok, drafter, heads, prompts = tiny
+    L = model.config.num_hidden_layers
+    decode = _decode(method="eagle3", sweep=[], tree=dict(enabled=True, depth=3, top_k=2, total_tokens=5))
+    rep, prop = _run(tiny, tmp_path, "eagle3", decode, drafter=drafter, taps=(2, L // 2, L - 3))
+    assert prop.tree and draft_depth(prop, decode) == 3
+    assert rep["acceptance_unit"] == "depth" and rep["acceptance_per_depth"] == rep["acceptance_per_position"]
+    assert len(rep["acceptance_per_depth"]) == 3 and rep["outputs_match_baseline"] is True
+    assert rep["draft_tree"]["top_k"] == 2 and rep["draft_tree"]["total_tokens"] == 5
+    assert 1 <= rep["nodes_per_round"] <= 5 and rep["sweep"] == [] and not (tmp_path / "speedup.png").exists()
+    # medusa: chain and static tree (the tree from the drafter's measured accuracy when it has one)
+    decode = _decode(method="medusa", num_draft_tokens=2, sweep=[])
+    rep, prop = _run(tiny, tmp_path, "medusa", decode, drafter=heads, taps=(L,))
+    assert prop.name == "medusa" and rep["outputs_match_baseline"] is True
+    decode = _decode(method="medusa", sweep=[], tree=dict(enabled=True, total_tokens=4))
+    heads.head_topk_accuracy = [[0.5, 0.2], [0.3, 0.1], [0.2, 0.1]]
+    assert medusa_choices_for(heads, decode) == [[0], [1], [0, 0], [1, 0]]
+    rep, prop = _run(tiny, tmp_path, "medusa", decode, drafter=heads, taps=(L,))
+    del heads.head_topk_accuracy
+    assert prop.structure.choices == [[0], [1], [0, 0], [1, 0]] and rep["draft_tree"]["medusa_choices"]
+    assert rep["outputs_match_baseline"] is True
+    # the oracle tree: tau = depth + 1 on full rounds
+    decode = _decode(method="oracle", sweep=[], tree=dict(enabled=True, depth=4, top_k=3))
+    rep, _ = _run(tiny, tmp_path, "oracle", decode)
+    assert rep["outputs_match_baseline"] is True and rep["acceptance_per_depth"][0] in (1.0, None)
+
+
+def test_report_typical_acceptance_is_labelled_lossy(tiny, tmp_path):
+    model, tok, drafter, heads, prompts = tiny
+    L = model.config.num_hidden_layers
+    decode = _decode(method="medusa", temperature=0.8, typical_acceptance=True, sweep=[],
+                     tree=dict(enabled=True, total_tokens=6))
+    rep, _ = _run(tiny, tmp_path, "medusa", decode, drafter=heads, taps=(L,))
+    assert rep["lossy"] is True and "LOSSY" in rep["verification"] and rep["outputs_match_baseline"] is None
+    decode = _decode(method="medusa", temperature=0.8, sweep=[], tree=dict(enabled=True, total_tokens=6))
+    rep, _ = _run(tiny, tmp_path, "medusa", decode, drafter=heads, taps=(L,))
+    assert rep["lossy"] is False and rep["verification"] == "rejection sampling (lossless)"
+
+
+def test_make_proposer_errors():
+    with pytest.raises(DraftTrainError):
+        make_proposer("medusa", decode=_decode(method="medusa"))
+    with pytest.raises(DraftTrainError):
+        make_proposer("nonsense", decode=_decode())
