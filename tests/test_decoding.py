@@ -445,6 +445,10 @@ def test_prompt_lookup_matching():
     # the continuation may run up to the end of the context
     assert pl.propose([5, 6, 5], 3, sp) == ([6, 5], None)
     assert pl.propose([1, 2, 3], 3, sp) == ([], None)
+    # a repetition loop: the most recent match is followed by one period only; the most recent one followed
+    # by k tokens is taken instead
+    assert pl.propose([9, 4, 5, 4, 5, 4, 5, 4, 5], 3, sp) == ([4, 5, 4], None)
+    assert PromptLookupProposer(max_ngram=1, num_tokens=5).propose([7, 1, 2, 7, 3, 7], 5, sp) == ([1, 2, 7, 3, 7], None)
     assert PromptLookupProposer(max_ngram=2, min_ngram=2).propose([4, 8, 6, 0, 2, 4], 5, sp) == ([], None)
 
 

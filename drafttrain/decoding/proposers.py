@@ -120,8 +120,10 @@ class PromptLookupProposer(_DeterministicBase):
 
     Finds the last ``n`` committed tokens (n from ``max_ngram`` down to ``min_ngram``, longest first)
     earlier in the committed tokens and proposes the up to ``min(k, num_tokens)`` tokens that followed.
-    Among several matches the *most recent* one wins (HF's ``PromptLookupCandidateGenerator`` takes the
-    first from the left); recent context tends to predict the continuation better. No match -> no draft.
+    Among several matches the *most recent one followed by at least that many tokens* wins (recent context
+    tends to predict the continuation better); if none is, the leftmost one (the longest continuation, what
+    HF's ``PromptLookupCandidateGenerator`` always takes). In a repetition loop the most recent match alone
+    would be followed by only one period of the loop. No match -> no draft.
     """
 
     name = "prompt_lookup"
@@ -142,7 +144,8 @@ class PromptLookupProposer(_DeterministicBase):
             windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
             hits = np.nonzero((windows == arr[L - n :]).all(axis=1))[0]
             if hits.size:
-                start = int(hits[-1]) + n  # most recent match; it is followed by >= 1 token
+                full = hits[hits + n + k <= L]  # matches followed by >= k tokens
+                start = int(full[-1] if full.size else hits[0]) + n  # (every match is followed by >= 1 token)
                 return arr[start : start + k].tolist(), None
         return [], None
 
