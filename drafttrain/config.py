@@ -58,7 +58,9 @@ class TargetConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "builtin"  # builtin | jsonl
+    # builtin | jsonl | structured (evaluation only: prompts that each carry a JSON schema; the built-in
+    # function-call set from stdlib signatures, or data.path / data.eval_path = JSONL rows {"messages", "schema"})
+    source: str = "builtin"
     path: Optional[str] = None  # jsonl: training conversations (ShareGPT or OpenAI shape)
     eval_path: Optional[str] = None  # jsonl: evaluation prompts (default: the last num_eval rows of path)
     max_length: int = 512
@@ -71,6 +73,9 @@ class DataConfig:
     regen_temperature: float = 0.0
     regen_batch_size: int = 32
     seed: int = 0
+    # structured (built-in set): maxLength of string arguments in each row's schema; bounds every output's
+    # length, so a grammar-constrained answer ends within decode.max_new_tokens (256 for the default 16)
+    structured_max_string_length: int = 16
 
 
 @dataclass
@@ -202,6 +207,7 @@ class DecodeConfig:
     # Grammar-constrained decoding (drafttrain.structured, xgrammar): None = unconstrained; "json" = any JSON
     # object/array (built-in JSON grammar); "regex:<pattern>"; or a path to a JSON-schema file. The target's
     # distribution and the drafter's proposals are masked by the grammar; stop tokens only once it is complete.
+    # With data=structured, None = each row's own schema and "none" = unconstrained (outputs still validated).
     grammar: Optional[str] = None
 
 

@@ -119,6 +119,9 @@ def print_table(report: dict) -> None:
                                                    ("frac_target", "frac_draft", "frac_other"))),
         ("greedy outputs == AR", str(report["outputs_match_baseline"])),
     ]
+    if report.get("grammar") or report.get("valid_fraction") is not None:
+        rows.append(("grammar | valid outputs spec / AR", f"{report.get('grammar') or 'none'} | "
+                     f"{_fmt(report.get('valid_fraction'), '.0%')} / {_fmt(report.get('baseline_valid_fraction'), '.0%')}"))
     for s in report.get("sweep") or []:
         rows.append((f"  sweep K={s['draft_tokens']}", f"tau {_fmt(s['tau'], '.2f')}, speedup {_fmt(s['speedup'], '.2f')}x"))
     w = max(len(r[0]) for r in rows)
@@ -201,12 +204,17 @@ def verification_label(decode, typical_used: bool) -> str:
 @torch.no_grad()
 def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_dir: Path | None, *,
              method: str, target_name: str, drafter_name: str | None, taps=None,
-             train_estimated_tau: float | None = None, extra: dict | None = None) -> dict:
+             train_estimated_tau: float | None = None, extra: dict | None = None, grammars=None) -> dict:
     """Run AR and speculative decoding on ``prompts`` side by side; return (and write) the report.
 
     Besides ``report.json`` and ``acceptance.png`` (per position; per depth for trees), a sweep over draft
     lengths (``decode.sweep``) is timed on the same prompts and plotted as ``speedup.png`` (speedup against
     the AR baseline of the main run).
+
+    ``grammars``: a ``drafttrain.structured.GrammarPlan`` (one grammar per prompt; default: from
+    ``decode.grammar``). AR and speculative decoding run under the same grammar, so ``outputs_match_baseline``
+    compares with *constrained* AR; the report adds ``grammar`` and ``valid_fraction`` (speculative outputs
+    that validate; ``baseline_valid_fraction`` for AR).
     """
     from .decoding.engine import SpecDecoder, aggregate
     from .decoding.proposers import NoDraft
@@ -234,31 +242,48 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
     is_oracle = method == "oracle"
     if hasattr(proposer, "agree_fn"):  # the oracle tree's wrong siblings must be real token ids
         proposer.vocab_size = sp_runner.vocab_size
+    if grammars is None:
+        from .structured import grammar_plan
+
+        grammars = grammar_plan(decode.grammar, [[]] * len(prompts), len(prompts))
+    if len(grammars.decode) != len(prompts):
+        raise ValueError(f"{len(grammars.decode)} grammars for {len(prompts)} prompts")
+    compiled = grammars.compile(tokenizer, ar_runner.vocab_size, eos)
+
+    def gstate(i):  # a fresh grammar state per generation (None: unconstrained)
+        return None if compiled[i] is None else compiled[i].state()
+
+    def run_ar(i, p, n=None):
+        n = decode.max_new_tokens if n is None else n
+        return ar.generate(p, n, eos, seed=decode.seed + i, grammar=gstate(i))
 
     def run_spec(dec, i, p, ref):
         if is_oracle:
             proposer.set_reference(ref)
-        return dec.generate(p, decode.max_new_tokens, eos, seed=decode.seed + i)
+        return dec.generate(p, decode.max_new_tokens, eos, seed=decode.seed + i, grammar=gstate(i))
 
     for _ in range(decode.warmup):  # untimed: first calls pay for allocation and lazy initialisation
-        ref = ar.generate(prompts[0], min(16, decode.max_new_tokens), eos, seed=decode.seed)
+        ref = run_ar(0, prompts[0], min(16, decode.max_new_tokens))
         run_spec(spec, 0, prompts[0], ref.tokens)
     ar_res, sp_res, match = [], [], []
     refs: list[list[int]] = []
     for rep in range(decode.repeats):
         for i, p in enumerate(prompts):
             if is_oracle or (i + rep) % 2 == 0:  # alternate the order; the oracle needs AR first
-                a = ar.generate(p, decode.max_new_tokens, eos, seed=decode.seed + i)
+                a = run_ar(i, p)
                 s = run_spec(spec, i, p, a.tokens)
             else:
                 s = run_spec(spec, i, p, None)
-                a = ar.generate(p, decode.max_new_tokens, eos, seed=decode.seed + i)
+                a = run_ar(i, p)
             ar_res.append(a)
             sp_res.append(s)
             match.append(a.tokens == s.tokens)
             if rep == 0:
                 refs.append(a.tokens)
     A, S = aggregate(ar_res), aggregate(sp_res)
+    n_p = len(prompts)  # outputs of the first repeat, validated against each prompt's grammar / schema
+    valid = grammars.validate(tokenizer, [r.tokens for r in sp_res[:n_p]], eos)
+    base_valid = grammars.validate(tokenizer, [r.tokens for r in ar_res[:n_p]], eos)
     greedy = decode.temperature == 0
     speedup = (S["tokens_per_s"] / A["tokens_per_s"]) if S["tokens_per_s"] and A["tokens_per_s"] else None
 
@@ -327,6 +352,14 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
         "repeats": decode.repeats,
         "device": str(next(model.parameters()).device),
         "mismatched_prompts": [i for i, m in enumerate(match) if not m] if greedy else [],
+        # structured output: the grammar decoding ran under (None: unconstrained) and the fraction of outputs
+        # that validate against it (or, decode.grammar=none on structured rows, against each row's schema)
+        "grammar": grammars.label,
+        "valid_fraction": valid["valid_fraction"],
+        "baseline_valid_fraction": base_valid["valid_fraction"],
+        "invalid_outputs": valid["failures"],
+        "time_grammar_s": S["time_grammar"],
+        "frac_grammar": S["frac_grammar"],
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     if is_tree:
@@ -358,6 +391,9 @@ def eval_prompt_ids(tokenizer, convs, limit: int) -> list[list[int]]:
 
     out = []
     for c in convs[:limit]:
+        if hasattr(c, "prompt_ids"):  # a structured row (drafttrain.structured.StructuredExample)
+            out.append(c.prompt_ids(tokenizer))
+            continue
         out.append(prompt_ids(tokenizer, c.messages if hasattr(c, "messages") else c))
     return out
 
@@ -383,8 +419,11 @@ def evaluate_drafter(model, tokenizer, drafter, decode, eval_convs, run_dir, *, 
         taps = (num_layers(model),)
     else:
         taps = None
+    from .structured import grammar_plan
+
     return evaluate(model, tokenizer, prompts, proposer, decode, run_dir, method=method, target_name=target_name,
-                    drafter_name=drafter_name, taps=taps, train_estimated_tau=train_estimated_tau, extra=extra)
+                    drafter_name=drafter_name, taps=taps, train_estimated_tau=train_estimated_tau, extra=extra,
+                    grammars=grammar_plan(decode.grammar, eval_convs, len(prompts)))
 
 
 def load_drafter(path: str, device, target_model=None):
@@ -426,7 +465,15 @@ def eval_conversations(data_cfg):
             raise DraftTrainError("data.path (or data.eval_path) is required with data=jsonl")
         convs = read_conversations(data_cfg.path, skip_invalid=data_cfg.skip_invalid)
         return convs[-data_cfg.num_eval:]
-    raise DraftTrainError(f"data.source={data_cfg.source}: expected builtin or jsonl")
+    if data_cfg.source == "structured":  # prompts with a JSON schema each (drafttrain.structured.evalset)
+        from .structured import builtin_structured_examples, read_structured_jsonl
+
+        path = data_cfg.eval_path or data_cfg.path
+        if path:
+            return read_structured_jsonl(path, limit=data_cfg.num_eval)
+        return builtin_structured_examples("eval", data_cfg.num_eval, data_cfg.seed,
+                                           max_string_length=data_cfg.structured_max_string_length)
+    raise DraftTrainError(f"data.source={data_cfg.source}: expected builtin, jsonl or structured")
 
 
 def run_eval(cfg) -> dict:
@@ -486,5 +533,8 @@ def run_eval(cfg) -> dict:
     max_len = max(len(p) for p in prompts) + job.decode.max_new_tokens + extra_positions(job.decode)
     proposer = make_proposer(job.decode.method, decode=job.decode, max_len=max_len,
                              device=next(model.parameters()).device)
+    from .structured import grammar_plan
+
     return evaluate(model, tokenizer, prompts, proposer, job.decode, run_dir, method=job.decode.method,
-                    target_name=tname, drafter_name=None)
+                    target_name=tname, drafter_name=None,
+                    grammars=grammar_plan(job.decode.grammar, convs, len(prompts)))

@@ -18,6 +18,18 @@ counted, so AR has tau = 1 exactly and a proposer that is always right has tau =
 
 Typical acceptance (``typical=True``, Medusa's rule) is LOSSY and only applies when sampling; results
 carry ``lossy = True`` so reports can say so.
+
+Grammar-constrained decoding (``generate(..., grammar=GrammarState)``, see ``drafttrain.structured``): the
+target's logits are masked by the grammar at every verified position (before temperature / top-k / top-p),
+so greedy speculative output equals greedy constrained AR output and sampling preserves the *constrained*
+distribution. Drafts are made grammatical before verification: grammar-aware proposers
+(``grammar_aware = True``: EAGLE-3, Medusa, draft model; chain and tree) mask their own draft distributions
+with the same state (explored under ``GrammarState.scratch()``); any other proposer's chain is truncated at its
+first ungrammatical token and its tree pruned of ungrammatical nodes. The masks for the verified positions
+come from walking the drafts from the committed state (``masks_along`` / ``tree_masks``, which restore it),
+and after verification the state is advanced over the committed tokens ``d_1..d_a, b`` only, so rejected
+drafts never touch it. The state must have accepted every committed output token (the pending one
+included); the output ends at a stop token of the grammar as at eos.
 """
 from __future__ import annotations
 
@@ -55,6 +67,7 @@ class GenerationResult:
     time_total: float = 0.0
     time_target: float = 0.0
     time_draft: float = 0.0
+    time_grammar: float = 0.0  # the decoder's own grammar work (masks along drafts, advancing); part of "other"
 
     @property
     def tau(self) -> float:
@@ -103,12 +116,12 @@ class SpecDecoder:
         self.typical = bool(typical) and not self.sampling.greedy
         self.typical_epsilon, self.typical_delta = float(typical_epsilon), float(typical_delta)
 
-    def _timed(self, fn, *args):
+    def _timed(self, fn, *args, **kwargs):
         timing = self.target.timing
         if timing:
             _sync(self.target.device)
         t0 = time.perf_counter()
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         if timing:
             _sync(self.target.device)
         self._time_draft += time.perf_counter() - t0
@@ -121,11 +134,14 @@ class SpecDecoder:
         max_new_tokens: int,
         eos_token_id: int | Iterable[int] | None = None,
         seed: int | None = None,
+        grammar=None,
     ) -> GenerationResult:
         """Decode up to ``max_new_tokens`` new tokens after ``prompt_ids`` (stops after an eos token).
 
         ``seed`` re-seeds the generator first; without it the generator's stream continues from the
-        previous call.
+        previous call. ``grammar``: a ``drafttrain.structured.GrammarState`` (usually fresh:
+        ``compiled.state()``) that constrains the output; it is advanced over every new token, and its stop
+        tokens end the output like eos (compile it with the decoder's eos set as stop tokens).
         """
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -135,7 +151,10 @@ class SpecDecoder:
             eos = {eos_token_id}
         else:
             eos = {int(t) for t in eos_token_id}
+        if grammar is not None:
+            eos = eos | set(grammar.compiled.stop_token_ids)
         K, sp, target, proposer = self.K, self.sampling, self.target, self.proposer
+        gkw = {"grammar": grammar} if grammar is not None and getattr(proposer, "grammar_aware", False) else {}
         res = GenerationResult(
             tokens=[], drafted_per_position=[0] * K, reached_per_position=[0] * K, accepted_per_position=[0] * K
         )
@@ -146,14 +165,23 @@ class SpecDecoder:
             raise ValueError("empty prompt")
         t_start = time.perf_counter()
         t_target0 = target.time_forward
-        self._time_draft = 0.0
+        self._time_draft = self._time_grammar = 0.0
 
         # prefill: the target reads the prompt and produces the first (pending) token
         target.reset()
         self._timed(proposer.reset)
         logits, taps = target.forward(prompt, last_only=True)
         last = logits[-1]
+        if grammar is not None:
+            t0 = time.perf_counter()
+            allowed = grammar.allowed_mask()
+            if not bool(allowed.any()):
+                raise ValueError("the grammar allows no token: its state is terminated (pass a fresh state)")
+            last = last.masked_fill(~allowed.to(last.device), float("-inf"))
+            self._time_grammar += time.perf_counter() - t0
         first = int(last.argmax()) if sp.greedy else int(sample(sp.process(last), self.generator))
+        if grammar is not None:
+            self._grammar_commit(grammar, [first], eos)
         tokens = prompt + [first]
         new = res.tokens
         new.append(first)
@@ -167,7 +195,7 @@ class SpecDecoder:
                 break
             k = min(K, max_new_tokens - len(new) - 1, room)  # a round commits at most k + 1 tokens
             if self.tree:
-                a, committed, taps = self._tree_round(tokens, k, room, res)
+                a, committed, taps = self._tree_round(tokens, k, room, res, grammar, gkw, eos)
                 tokens.extend(committed)
                 for tok in committed:
                     new.append(tok)
@@ -178,15 +206,20 @@ class SpecDecoder:
                 if not done and len(new) < max_new_tokens:
                     self._timed(proposer.accept, tokens, a, taps)
                 continue
-            drafts, q = self._timed(proposer.propose, tokens, k, sp) if k > 0 else ([], None)
+            drafts, q = self._timed(proposer.propose, tokens, k, sp, **gkw) if k > 0 else ([], None)
             # drafts may be a device tensor: they stay on the device until the round's one host sync
             if isinstance(drafts, torch.Tensor):
                 d = drafts.reshape(-1)[:k].to(device=target.device, dtype=torch.long)
             else:
                 d = torch.tensor([int(t) for t in drafts[:k]], dtype=torch.long, device=target.device)
+            masks = None
+            if grammar is not None:  # (a host sync: the grammar lives on the host)
+                d, masks = self._grammar_chain(grammar, d)
             n = d.shape[0]
             pending = torch.tensor([tokens[-1]], dtype=torch.long, device=target.device)
             logits, taps = target.forward(torch.cat([pending, d]))  # [n+1, V]
+            if masks is not None:
+                logits = _constrain(logits, masks)
             if sp.greedy:
                 a, b = verify_chain_greedy(d, logits, device_result=True)
             elif self.typical:
@@ -218,6 +251,8 @@ class SpecDecoder:
                 res.accepted_per_position[i] += 1
 
             committed = drafts[:a] + [b]
+            if grammar is not None:
+                self._grammar_commit(grammar, committed, eos)
             tokens.extend(committed)
             for tok in committed:
                 new.append(tok)
@@ -231,22 +266,64 @@ class SpecDecoder:
         res.time_total = time.perf_counter() - t_start
         res.time_target = target.time_forward - t_target0
         res.time_draft = self._time_draft
+        res.time_grammar = self._time_grammar
         res.lossy = self.typical
         return res
 
-    def _tree_round(self, tokens: list[int], k: int, room: int, res: GenerationResult):
+    # ------------------------------------------------------------------------------------------ grammar
+    def _grammar_chain(self, grammar, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cut the chain ``d`` before its first ungrammatical token; the masks of its ``n + 1`` verified
+        positions (the state itself is left as it was)."""
+        t0 = time.perf_counter()
+        dm = grammar.masks_along(d.tolist())
+        nv = dm.num_valid_prefix
+        self._time_grammar += time.perf_counter() - t0
+        return d[:nv], dm.masks[: nv + 1]
+
+    def _grammar_tree(self, grammar, tree: DraftTree) -> tuple[DraftTree, torch.Tensor]:
+        """Prune the tree's ungrammatical nodes (and their subtrees); the masks at its ``n + 1`` nodes."""
+        t0 = time.perf_counter()
+        tm = grammar.tree_masks(tree.tokens, [p - 1 for p in tree.parents])
+        masks = tm.masks
+        if not bool(tm.valid.all()):  # an invalid node's descendants are invalid too: what is kept is a tree
+            keep = tm.valid.nonzero().flatten().tolist()
+            new_of = {0: 0}
+            for j, i in enumerate(keep):
+                new_of[i + 1] = j + 1
+            tree = DraftTree([tree.tokens[i] for i in keep], [new_of[tree.parents[i]] for i in keep],
+                             None if tree.scores is None else [tree.scores[i] for i in keep])
+            masks = masks[[0] + [i + 1 for i in keep]]
+        self._time_grammar += time.perf_counter() - t0
+        return tree, masks
+
+    def _grammar_commit(self, grammar, committed: list[int], stops: set[int]) -> None:
+        """Advance the grammar over the committed tokens (up to and including a stop token)."""
+        t0 = time.perf_counter()
+        upto = next((j + 1 for j, t in enumerate(committed) if t in stops), len(committed))
+        if not grammar.advance(committed[:upto]):  # pragma: no cover - the target's masked choice is allowed
+            raise RuntimeError(f"the grammar refused committed tokens {committed[:upto]} (a mask was not applied)")
+        self._time_grammar += time.perf_counter() - t0
+
+    def _tree_round(self, tokens: list[int], k: int, room: int, res: GenerationResult, grammar=None,
+                    gkw: dict | None = None, stops: set[int] = frozenset()):
         """One tree round: draft, verify the whole tree in one target forward, compact the cache.
 
         Returns ``(a, committed tokens, target taps at [root, path])``.
         """
         sp, target = self.sampling, self.target
-        tree = self._timed(self.proposer.propose_tree, tokens, k, room, sp) if k > 0 else DraftTree([], [])
+        tree = self._timed(self.proposer.propose_tree, tokens, k, room, sp, **(gkw or {})) if k > 0 \
+            else DraftTree([], [])
         if tree.num_nodes > room or tree.depth > k:
             raise ValueError(f"proposer {self.proposer.name!r} drafted a tree of {tree.num_nodes} nodes / depth "
                              f"{tree.depth}, over the limits {room} / {k}")
+        masks = None
+        if grammar is not None:
+            tree, masks = self._grammar_tree(grammar, tree)
         L0 = target.length
         parents = tree.all_parents()
         logits, taps = target.forward_tree([tokens[-1]] + tree.tokens, parents)
+        if masks is not None:
+            logits = _constrain(logits, masks)
         if sp.greedy:
             path, b = verify_tree_greedy(tree, logits)
         elif self.typical:
@@ -269,8 +346,19 @@ class SpecDecoder:
         for i in range(a):
             res.accepted_per_position[i] += 1
         committed = [tree.tokens[i - 1] for i in path] + [b]
+        if grammar is not None:
+            self._grammar_commit(grammar, committed, stops)
         kept_taps = None if taps is None else taps[torch.tensor(keep, device=taps.device)]
         return a, committed, kept_taps
+
+
+def _constrain(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """Logits ``[n, V]`` with ``-inf`` where the grammar masks ``[n, V]`` disallow a token. A row that allows
+    nothing (the position after a drafted stop token) is left as it is: no committed token ever comes from
+    it, since the output ends at the stop token."""
+    masks = masks.to(logits.device)
+    none = ~masks.any(-1, keepdim=True)
+    return logits.masked_fill(~(masks | none), float("-inf"))
 
 
 def aggregate(results: Sequence[GenerationResult]) -> dict:
@@ -306,6 +394,7 @@ def aggregate(results: Sequence[GenerationResult]) -> dict:
     t_target = sum(r.time_target for r in results)
     t_draft = sum(r.time_draft for r in results)
     t_other = max(t_total - t_target - t_draft, 0.0)
+    t_grammar = sum(r.time_grammar for r in results)
     return {
         "num_sequences": len(results),
         "num_new_tokens": num_new,
@@ -329,6 +418,8 @@ def aggregate(results: Sequence[GenerationResult]) -> dict:
         "frac_target": ratio(t_target, t_total),
         "frac_draft": ratio(t_draft, t_total),
         "frac_other": ratio(t_other, t_total),
+        "time_grammar": t_grammar,  # the decoder's grammar work (inside time_other)
+        "frac_grammar": ratio(t_grammar, t_total),
     }
 
 

@@ -13,9 +13,17 @@ Tree proposers (``tree = True``) implement ``propose_tree(tokens, max_depth, max
 DraftTree`` instead of ``propose``; their drafts are deterministic (top-k), which the tree verifier's
 recursive rejection needs to be lossless. ``accept`` is the same for both: after a tree round the taps are
 those of the root and the accepted path, in order, exactly as for a chain.
+
+Grammar-aware proposers (``grammar_aware = True``) take ``grammar=`` (a ``drafttrain.structured.GrammarState``
+that has accepted every committed output token, the pending one included) in ``propose`` /
+``propose_tree``: each draft distribution is masked by the grammar state after the draft's own path (before
+temperature / top-k / top-p, so q is the constrained draft distribution), drafting stops where nothing is
+allowed or after a stop token, and the state is explored under ``grammar.scratch()``, so it is left as it was.
+The decoder truncates (chains) or prunes (trees) the drafts of any other proposer at ungrammatical tokens.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -45,6 +53,34 @@ class Proposer(Protocol):
     def accept(self, tokens: list[int], num_accepted: int, target_taps: Tensor | None) -> None:
         """After verification: ``tokens`` = committed tokens (the new pending token last); ``target_taps``
         = target features at the verified positions that were kept: ``[pending_old, d_1..d_a]``."""
+
+
+def _grammar_scope(grammar):
+    """Explore the grammar (rolled back on exit), or nothing without one."""
+    return grammar.scratch() if grammar is not None else contextlib.nullcontext()
+
+
+def _allowed_after(grammar, path: list[int] | None) -> Tensor:
+    """bool ``[V]`` (CPU): the tokens the grammar allows after ``path`` from its current state (state unchanged);
+    all False for ``path=None`` (an ungrammatical node) or a path the grammar refuses."""
+    with grammar.scratch():
+        if path is None or not grammar.advance(path):
+            return torch.zeros(grammar.vocab_size, dtype=torch.bool)
+        return grammar.allowed_mask()
+
+
+def _grammar_logits(z: Tensor, grammar) -> Tensor | None:
+    """Draft logits ``z [V]`` masked by the grammar's current state; None when no token is left (drafting
+    stops). One host sync."""
+    z = z.masked_fill(~grammar.allowed_mask().to(z.device), float("-inf"))
+    return z if bool(torch.isfinite(z).any()) else None
+
+
+def _grammar_step(grammar, d) -> bool:
+    """Advance the grammar over draft ``d``; False when drafting must stop (``d`` was a stop token)."""
+    if not grammar.advance([int(d)]):  # pragma: no cover - d came from the masked distribution
+        raise RuntimeError(f"the grammar refused draft token {int(d)} picked from its own mask")
+    return not grammar.is_terminated()
 
 
 class _DeterministicBase:
@@ -167,6 +203,7 @@ class DraftModelProposer:
 
     name = "draft_model"
     stochastic = True
+    grammar_aware = True
 
     def __init__(self, draft_model, vocab_size: int | None = None, max_len: int | None = None):
         self.runner = TargetRunner(draft_model, taps=None, max_len=max_len)
@@ -205,7 +242,7 @@ class DraftModelProposer:
             self.runner.truncate(i)
             del self._cached[i:]
 
-    def propose(self, tokens, k, sampling):
+    def propose(self, tokens, k, sampling, grammar=None):
         if k <= 0:
             return [], None
         k = min(k, self.runner.max_len - len(tokens) + 1)  # the last draft is never fed
@@ -217,20 +254,29 @@ class DraftModelProposer:
         self._cached.extend(feed)
         logits = logits[-1]
         drafts, qs = [], []
-        for i in range(k):
-            z = self._to_target_vocab(logits)
-            if sampling.greedy:
-                d = z.argmax(-1)
-            else:
-                q = sampling.process(z)
-                d = sample(q, sampling.generator)
-                qs.append(q)
-            drafts.append(d)
-            if i + 1 < k:
-                logits, _ = self.runner.forward(d.reshape(1, 1))
-                logits = logits[-1]
+        fed = 0  # drafts fed to the draft cache
+        with _grammar_scope(grammar):
+            for i in range(k):
+                z = self._to_target_vocab(logits)
+                if grammar is not None and (z := _grammar_logits(z, grammar)) is None:
+                    break
+                if sampling.greedy:
+                    d = z.argmax(-1)
+                else:
+                    q = sampling.process(z)
+                    d = sample(q, sampling.generator)
+                    qs.append(q)
+                drafts.append(d)
+                if grammar is not None and not _grammar_step(grammar, d):
+                    break
+                if i + 1 < k:
+                    logits, _ = self.runner.forward(d.reshape(1, 1))
+                    logits = logits[-1]
+                    fed += 1
+        if not drafts:
+            return [], None
         drafts_t = torch.stack(drafts)
-        self._unsynced = drafts_t[:-1]  # fed to the draft cache; read at the next rollback (after the round)
+        self._unsynced = drafts_t[:fed]  # fed to the draft cache; read at the next rollback (after the round)
         return drafts_t, (torch.stack(qs) if qs else None)
 
     def accept(self, tokens, num_accepted, target_taps) -> None:
@@ -280,6 +326,7 @@ class Eagle3ChainProposer:
 
     name = "eagle3"
     stochastic = True
+    grammar_aware = True
 
     def __init__(self, drafter, max_len: int = 4096, static_shapes: bool = False, compile: bool = False):
         self.drafter = drafter
@@ -335,25 +382,33 @@ class Eagle3ChainProposer:
         self._extend(list(prompt_ids[1:]) + [int(first_token)], target_taps, start=0)
 
     @torch.no_grad()
-    def propose(self, tokens, k, sampling):
+    def propose(self, tokens, k, sampling, grammar=None):
         k = min(k, self.max_len - self._n)  # the round may leave up to n + k entries after accept
         if k <= 0:
             return [], None
         logits, hidden = self._next_logits, self._next_hidden
         drafts, qs = [], []
-        for i in range(k):
-            z = self.drafter.logits_to_target(logits.float())  # [V], -inf outside the draft vocab
-            if sampling.greedy:
-                d = z.argmax(-1)
-            else:
-                q = sampling.process(z)
-                d = sample(q, sampling.generator)
-                qs.append(q)
-            drafts.append(d)
-            if i + 1 < k:
-                pos = torch.tensor([[self._n + i]], device=self.device)
-                out, hidden = self._draft_step(d.reshape(1, 1), hidden, pos)
-                logits = out[0, -1]
+        with _grammar_scope(grammar):
+            for i in range(k):
+                z = self.drafter.logits_to_target(logits.float())  # [V], -inf outside the draft vocab
+                # (masking the target-width z is masking the draft vocabulary at allowed[draft_to_target_ids])
+                if grammar is not None and (z := _grammar_logits(z, grammar)) is None:
+                    break
+                if sampling.greedy:
+                    d = z.argmax(-1)
+                else:
+                    q = sampling.process(z)
+                    d = sample(q, sampling.generator)
+                    qs.append(q)
+                drafts.append(d)
+                if grammar is not None and not _grammar_step(grammar, d):
+                    break
+                if i + 1 < k:
+                    pos = torch.tensor([[self._n + i]], device=self.device)
+                    out, hidden = self._draft_step(d.reshape(1, 1), hidden, pos)
+                    logits = out[0, -1]
+        if not drafts:
+            return [], None
         return torch.stack(drafts), (torch.stack(qs) if qs else None)  # a device tensor: no host sync
 
     @torch.no_grad()
@@ -400,18 +455,28 @@ class Eagle3TreeProposer(Eagle3ChainProposer):
                          compile=compile)
         self._draft_ids = drafter.draft_target_ids().to(self.device)
 
-    def propose(self, tokens, k, sampling):  # pragma: no cover - the engine calls propose_tree
+    def propose(self, tokens, k, sampling, grammar=None):  # pragma: no cover - the engine calls propose_tree
         raise TypeError("Eagle3TreeProposer drafts trees: use propose_tree")
 
+    def _logprobs(self, logits: Tensor, grammar, paths: list) -> Tensor:
+        """Draft log-probabilities ``[m, Vd]`` of ``logits [m, Vd]``; with a grammar, renormalised over the
+        tokens it allows after each row's path (``paths[i]``: tokens from the committed state; None = an
+        ungrammatical node), -inf everywhere on rows that allow nothing."""
+        if grammar is None:
+            return torch.log_softmax(logits.float(), -1)
+        allowed = torch.stack([_allowed_after(grammar, p) for p in paths]).to(self.device)[:, self._draft_ids]
+        lp = torch.log_softmax(logits.float().masked_fill(~allowed, float("-inf")), -1)
+        return lp.masked_fill(~allowed, float("-inf"))  # (rows with nothing allowed would be NaN)
+
     @torch.no_grad()
-    def propose_tree(self, tokens, max_depth: int, max_nodes: int, sampling) -> DraftTree:
+    def propose_tree(self, tokens, max_depth: int, max_nodes: int, sampling, grammar=None) -> DraftTree:
         D = min(self.depth, int(max_depth))
         total = min(self.total_tokens, int(max_nodes))
         if D <= 0 or total <= 0 or self._next_logits is None:
             return DraftTree([], [])
         dev, n = self.device, self._n
         D = min(D, (self.cache.max_len - n) // self.top_k + 1)  # never overflow the drafter cache
-        lp0 = torch.log_softmax(self._next_logits.float(), -1)  # [Vd]
+        lp0 = self._logprobs(self._next_logits[None], grammar, [[]])[0]  # [Vd]
         k = min(self.top_k, lp0.shape[-1])
         s1, i1 = lp0.topk(k)
         cand_score, cand_tok, cand_par = [s1], [self._draft_ids[i1]], [torch.full((k,), -1, device=dev)]
@@ -420,13 +485,16 @@ class Eagle3TreeProposer(Eagle3ChainProposer):
         f_hid = self._next_hidden.expand(1, k, -1)  # [1, k, H] the parents' output hidden
         vis = torch.zeros(k, 0, dtype=torch.bool, device=dev)  # draft entries each frontier node may see
         n_cand = k
+        paths = None  # with a grammar: each frontier node's token path (None: -inf score, ungrammatical)
+        if grammar is not None:
+            paths = [[t] if ok else None for t, ok in zip(f_tok.tolist(), torch.isfinite(s1).tolist())]
         for d in range(2, D + 1):
             L = self.cache.length
             mask = torch.cat([torch.ones(k, n, dtype=torch.bool, device=dev), vis,
                               torch.eye(k, dtype=torch.bool, device=dev)], dim=1)[None]  # [1, k, L + k]
             pos = torch.full((1, k), n + d - 2, dtype=torch.long, device=dev)
             logits, out_h = self._draft_step(f_tok[None], f_hid, pos, mask)
-            lp = torch.log_softmax(logits[0].float(), -1)  # [k, Vd]
+            lp = self._logprobs(logits[0], grammar, paths)  # [k, Vd]
             cs, ci = lp.topk(k, dim=-1)  # [k, k] children of each frontier node
             cs = (f_score[:, None] + cs).reshape(-1)
             ctok = self._draft_ids[ci].reshape(-1)
@@ -440,9 +508,16 @@ class Eagle3TreeProposer(Eagle3ChainProposer):
             f_tok, f_score, f_hid = ctok[best], cs[best], out_h[:, r]
             vis = torch.cat([vis[r], torch.eye(k, dtype=torch.bool, device=dev)[r]], dim=1)
             n_cand += k * k
+            if grammar is not None:  # a finite score means a grammatical path (its parent's is finite too)
+                paths = [paths[rr] + [t] if ok else None for rr, t, ok in
+                         zip(r.tolist(), f_tok.tolist(), torch.isfinite(f_score).tolist())]
         scores = torch.cat(cand_score)
         # stable sort: ties keep the earlier candidate, and parents are always earlier than their children
         order = torch.sort(scores, descending=True, stable=True).indices[:total]
+        if grammar is not None:
+            order = order[torch.isfinite(scores[order])]  # ungrammatical candidates score -inf
+            if order.numel() == 0:
+                return DraftTree([], [])
         sel = order.sort().values  # candidate order is topological
         host = torch.stack([sel.double(), torch.cat(cand_tok)[sel].double(), torch.cat(cand_par)[sel].double(),
                             scores[sel].double()]).tolist()  # one host sync
@@ -462,6 +537,7 @@ class MedusaChainProposer(_DeterministicBase):
     """
 
     name = "medusa"
+    grammar_aware = True
 
     def __init__(self, heads):
         self.heads = heads
@@ -495,11 +571,22 @@ class MedusaChainProposer(_DeterministicBase):
             out[j, : ks[j]] = self.heads.head_logits(self._h, j)[0, 0].topk(ks[j]).indices
         return out
 
-    def propose(self, tokens, k, sampling):
+    def propose(self, tokens, k, sampling, grammar=None):
         k = min(int(k), self.heads.num_heads)
         if k <= 0 or self._h is None:
             return [], None
-        return self._head_topk(k, 1)[:, 0], None  # a device tensor: no host sync
+        if grammar is None:
+            return self._head_topk(k, 1)[:, 0], None  # a device tensor: no host sync
+        drafts = []  # head j: the top-1 among the tokens allowed after the drafts of heads < j
+        with grammar.scratch():
+            for j in range(k):
+                z = _grammar_logits(self.heads.head_logits(self._h, j)[0, 0], grammar)
+                if z is None:
+                    break
+                drafts.append(int(z.argmax()))
+                if not _grammar_step(grammar, drafts[-1]):
+                    break
+        return drafts, None
 
 
 class MedusaTreeProposer(MedusaChainProposer):
@@ -515,16 +602,45 @@ class MedusaTreeProposer(MedusaChainProposer):
         self.structure = medusa_tree(choices if choices else DEFAULT_MEDUSA_CHOICES, heads.num_heads)
         self.depth = max(self.structure.heads) + 1
 
-    def propose_tree(self, tokens, max_depth: int, max_nodes: int, sampling) -> DraftTree:
+    def propose_tree(self, tokens, max_depth: int, max_nodes: int, sampling, grammar=None) -> DraftTree:
         st = self.structure
         D = min(self.depth, int(max_depth))
         if D <= 0 or max_nodes <= 0 or self._h is None:
             return DraftTree([], [])
+        if grammar is not None:
+            return self._grammar_tree(D, int(max_nodes), grammar)
         cand = self._head_topk(D, st.topk[:D]).tolist()  # one host sync
         nodes = [i for i, h in enumerate(st.heads) if h < D][: int(max_nodes)]  # topological: parents first
         keep = {i + 1: j + 1 for j, i in enumerate(nodes)}
         return DraftTree([cand[st.heads[i]][st.ranks[i]] for i in nodes],
                          [0 if st.parents[i] == 0 else keep[st.parents[i]] for i in nodes])
+
+    @torch.no_grad()
+    def _grammar_tree(self, D: int, max_nodes: int, grammar) -> DraftTree:
+        """The static tree under a grammar: a rank-r node takes the rank-r token of its head among the tokens
+        allowed after its parent's path; a node without one (fewer allowed tokens) is dropped with its
+        subtree. Siblings are distinct ranks of one masked distribution, hence distinct tokens."""
+        st = self.structure
+        head = [self.heads.head_logits(self._h, j)[0, 0].float() for j in range(D)]
+        new_of = {0: 0}  # structure node -> tree node (0 = root)
+        paths: dict[int, list[int]] = {0: []}  # tree node -> its token path
+        allowed: dict[int, Tensor] = {}  # tree node -> tokens allowed after its path
+        toks, pars = [], []
+        for i, h in enumerate(st.heads):
+            if h >= D or st.parents[i] not in new_of or len(toks) >= max_nodes:
+                continue
+            par = new_of[st.parents[i]]
+            if par not in allowed:
+                allowed[par] = _allowed_after(grammar, paths[par]).to(self.device)
+            top = head[h].masked_fill(~allowed[par], float("-inf")).topk(st.ranks[i] + 1)
+            if not bool(torch.isfinite(top.values[-1])):
+                continue
+            t = int(top.indices[-1])
+            toks.append(t)
+            pars.append(par)
+            new_of[i + 1] = len(toks)
+            paths[len(toks)] = paths[par] + [t]
+        return DraftTree(toks, pars)
 
 
 class StubTreeProposer(OracleProposer):

@@ -19,11 +19,13 @@ from .grammar import (
     tokenizer_info,
     unpack_bitmask,
 )
+from .plan import UNCONSTRAINED, GrammarPlan, grammar_plan
 
 __all__ = [
     "CompiledGrammar",
     "DraftMasks",
     "GrammarSpec",
+    "GrammarPlan",
     "GrammarState",
     "StructuredExample",
     "apply_mask",
@@ -32,9 +34,11 @@ __all__ = [
     "compile_grammar",
     "decode_output",
     "function_call_schema",
+    "grammar_plan",
     "parse_spec",
     "read_structured_jsonl",
     "tokenizer_info",
     "unpack_bitmask",
     "validate_outputs",
+    "UNCONSTRAINED",
 ]
