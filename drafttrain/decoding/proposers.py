@@ -377,7 +377,13 @@ class Eagle3ChainProposer:
     def prefill(self, prompt_ids, target_taps, first_token) -> None:
         if target_taps is None:
             raise ValueError("Eagle3ChainProposer needs target taps: build the TargetRunner with taps=")
-        self.cache = self.drafter.new_cache(1, self.max_len, device=self.device, dtype=self.dtype)
+        if getattr(self, "_buffer", None) is None:  # allocated once, reused for every sequence
+            self._buffer = self.drafter.new_cache(1, self.max_len, device=self.device, dtype=self.dtype)
+        self.cache = self._buffer
+        if hasattr(self.cache, "k"):
+            self.cache.truncate(0)
+        elif self.cache.length:  # a stand-in cache without buffers: start afresh
+            self.cache = self._buffer = self.drafter.new_cache(1, self.max_len, device=self.device, dtype=self.dtype)
         # entry j = (h_j, x_{j+1}) for j = 0..n-1, the last token being the pending first_token
         self._extend(list(prompt_ids[1:]) + [int(first_token)], target_taps, start=0)
 

@@ -26,6 +26,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -127,12 +128,12 @@ def ancestor_mask(parents: Sequence[int] | Tensor) -> Tensor:
     """Bool ``[n, n]``: ``m[i, j]`` iff node j is node i or one of its ancestors (the tree attention mask)."""
     par = parents.tolist() if isinstance(parents, Tensor) else list(parents)
     n = len(par)
-    m = torch.zeros(n, n, dtype=torch.bool)
+    m = np.zeros((n, n), dtype=bool)
     for i in range(n):
-        m[i, i] = True
         if par[i] >= 0:
-            m[i] |= m[par[i]]
-    return m
+            m[i] = m[par[i]]
+        m[i, i] = True
+    return torch.from_numpy(m)
 
 
 # --------------------------------------------------------------------------------------- verification
