@@ -84,6 +84,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "compare.md"))
     ap.add_argument("--png", default=None, help="default: <out without .md>.png")
     ap.add_argument("--fresh", action="store_true", help="retrain even if a run's report.json exists")
+    ap.add_argument("--tree", default="medusa1",
+                    help="also evaluate these Medusa drafters with their static tree (decode.tree.enabled; '' = none)")
+    ap.add_argument("--tree-nodes", type=int, default=16, help="decode.tree.total_tokens for --tree")
+    ap.add_argument("--sampled", default="kd,ce",
+                    help="also evaluate these trained drafters at temperature 1 (a second table; '' = none)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (e.g. target=<dir>)")
     args = ap.parse_args(argv)
 
@@ -125,20 +130,47 @@ def main(argv=None) -> int:
         train = json.loads(tm.read_text()) if tm.exists() else {}
         results[name] = {"desc": desc, "recipe": recipe, "extra": extra, "report": r,
                          "train_seconds": train.get("train_seconds"),
-                         "last": (train.get("history") or [{}])[-1], "params": _saved_params(run / "final")}
+                         "last": _tail_mean(train.get("history") or []), "params": _saved_params(run / "final")}
 
-    write_table(results, args, Path(args.out))
+    def eval_only(name, suffix, extra):
+        run = runs / f"{name}_{suffix}"
+        rep = run / "report.json"
+        if not rep.exists() or args.fresh:
+            cmd = [sys.executable, "-m", "drafttrain.cli", "eval", f"drafter={runs / name / 'final'}", *data,
+                   *decode, *extra, *args.overrides, f"hydra.run.dir={run}"]
+            print(f"[compare] {name} ({suffix}): {' '.join(cmd[1:])}", flush=True)
+            _run(cmd, runs / f"{name}_{suffix}.log", env)
+        return json.loads(rep.read_text())
+
+    trees = {}
+    for name in [m.strip() for m in args.tree.split(",") if m.strip()]:
+        if name in results and results[name]["recipe"] in ("medusa", "medusa2"):
+            trees[name] = eval_only(name, "tree", ["decode.tree.enabled=true",
+                                                   f"decode.tree.total_tokens={args.tree_nodes}"])
+    sampled = {}
+    for name in [m.strip() for m in args.sampled.split(",") if m.strip()]:
+        if name in results and results[name]["recipe"]:
+            sampled[name] = eval_only(name, "t1", ["decode.temperature=1.0"])
+
+    write_table(results, args, Path(args.out), sampled, trees)
     png = Path(args.png) if args.png else Path(args.out).with_suffix(".png")
     plot(results, png)
     print(f"[compare] wrote {args.out} and {png}", flush=True)
     return 0
 
 
+def _tail_mean(history: list[dict], n: int = 10) -> dict:
+    tail = history[-n:]
+    keys = set().union(*tail) if tail else set()
+    return {k: sum(h[k] for h in tail if k in h) / sum(1 for h in tail if k in h) for k in keys
+            if all(isinstance(h.get(k, 0.0), (int, float)) for h in tail)}
+
+
 def _f(x, spec=".2f"):
     return "–" if x is None else format(x, spec)
 
 
-def write_table(results: dict, args, out: Path) -> None:
+def write_table(results: dict, args, out: Path, sampled: dict | None = None, trees: dict | None = None) -> None:
     from drafttrain.io import write_text
 
     K = args.num_draft_tokens
@@ -166,13 +198,40 @@ def write_table(results: dict, args, out: Path) -> None:
             + f" | {_f(r['tokens_per_s'], '.0f')} / {_f(r['baseline_tokens_per_s'], '.0f')} | {_f(r['speedup'])}x | "
             f"{'yes' if r.get('outputs_match_baseline') else 'NO'} | {'yes' if r.get('target_modified') else 'no'} |"
         )
+    for name, r in (trees or {}).items():
+        lines.append(f"| {name} tree | same heads, static tree of {args.tree_nodes} nodes (depth "
+                     f"<= {len(r.get('acceptance_per_position') or [])}) chosen from the measured per-head top-k "
+                     f"accuracy; α@i = acceptance at depth i | | | {_f(r['tau'])} | {_f(r['alpha'])} | "
+                     + " | ".join(_f(a) for a in (list(r.get("acceptance_per_position") or []) + [None] * K)[:K])
+                     + f" | {_f(r['tokens_per_s'], '.0f')} / {_f(r['baseline_tokens_per_s'], '.0f')} | "
+                     f"{_f(r['speedup'])}x | {'yes' if r.get('outputs_match_baseline') else 'NO'} | "
+                     f"{'yes' if r.get('target_modified') else 'no'} |")
+    if sampled:
+        lines += ["", "Sampling (temperature 1, lossless rejection sampling; same drafters, prompts and K):", "",
+                  "| method | τ | α | " + " | ".join(f"α@{i + 1}" for i in range(K)) + " | speedup |",
+                  "|---|---:|---:|" + "---:|" * K + "---:|"]
+        for name, r in sampled.items():
+            app = list(r.get("acceptance_per_position") or []) + [None] * K
+            lines.append(f"| {name} | {_f(r['tau'])} | {_f(r['alpha'])} | " + " | ".join(_f(a) for a in app[:K])
+                         + f" | {_f(r['speedup'])}x |")
+    train_cols = [(n, res["last"]) for n, res in results.items() if res["last"]]
+    if train_cols:
+        lines += ["", "Last 10 training steps (training data, mean): loss, and for the heads/drafts top-1 agreement with the "
+                  "label or target (`acc_0`), for the distilled drafts E[Σ min(p, q)] against the target (`accept`), for "
+                  "Medusa-2 the KL of the adapted target to the original (`lm_loss`) and how often their argmax "
+                  "agree (`lm_agree`):", "",
+                  "| method | loss | acc_0 | accept | lm_loss | lm_agree |", "|---|---:|---:|---:|---:|---:|"]
+        for n, h in train_cols:
+            lines.append(f"| {n} | {_f(h.get('loss'), '.3f')} | {_f(h.get('acc_0'))} | {_f(h.get('accept'))} | "
+                         f"{_f(h.get('lm_loss'), '.4f')} | {_f(h.get('lm_agree'), '.3f')} |")
     lines.append("")
     lines.append("Commands (each run's full config is in its `.hydra/config.yaml`):")
     lines.append("")
     lines.append("```")
     lines.append(" ".join(["python scripts/compare.py", f"--steps {args.steps}", f"--batch-size {args.batch_size}",
                            f"--num-train {args.num_train}", f"--num-prompts {args.num_prompts}",
-                           f"--max-new-tokens {args.max_new_tokens}", f"-K {K}", f"--methods {args.methods}"]
+                           f"--max-new-tokens {args.max_new_tokens}", f"-K {K}", f"--methods {args.methods}",
+                           f"--sampled '{args.sampled}'"]
                           + list(args.overrides)))
     for name, res in results.items():
         if res["recipe"]:
@@ -181,6 +240,11 @@ def write_table(results: dict, args, out: Path) -> None:
                                                     f"data.num_train={args.num_train}"]))
         else:
             lines.append(f"# {name}: drafttrain eval " + " ".join(res["extra"]))
+    for name in trees or {}:
+        lines.append(f"# {name} tree: drafttrain eval drafter=runs/compare/{name}/final decode.tree.enabled=true "
+                     f"decode.tree.total_tokens={args.tree_nodes}")
+    for name in sampled or {}:
+        lines.append(f"# {name} at T=1: drafttrain eval drafter=runs/compare/{name}/final decode.temperature=1.0")
     lines.append("```")
     write_text(out, "\n".join(lines) + "\n")
 
