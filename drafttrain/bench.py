@@ -7,6 +7,7 @@ prompts (ours and HF interleaved per pass), medians of tokens/s:
     ours ar            vs  HF model.generate()
     ours draft_model   vs  HF generate(assistant_model=...)          (HF's default assistant schedule)
     ours pld           vs  HF generate(prompt_lookup_num_tokens=...)
+    ours pld tree      vs  HF generate(prompt_lookup_num_tokens=...)  (several matches verified as one tree)
     ours eagle3 chain  vs  HF model.generate()                       (HF has no EAGLE decoding)
     ours eagle3 tree   vs  HF model.generate()
 
@@ -124,7 +125,8 @@ def _identical(a_outs, b_outs) -> bool:
 @torch.no_grad()
 def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=("ar", "draft_model", "pld",
           "eagle3", "eagle3_tree"), max_new_tokens=128, warmup=1, runs=3, num_draft_tokens=4, pld_num_tokens=10,
-          pld_max_ngram=3, tree=None, cache="auto", static_shapes=False, compile=False,
+          pld_max_ngram=3, pld_tree_branches=4, pld_tree_nodes=32, tree=None, cache="auto", static_shapes=False,
+          compile=False,
           hf_num_assistant_tokens=None, log=print) -> dict:
     """Run the benchmark; returns ``{"rows": [...], ...}`` (see the module docstring)."""
     from transformers.utils import logging as hf_logging
@@ -170,6 +172,15 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
                           _HF(f"generate(prompt_lookup_num_tokens={pld_num_tokens})", model, eos, pad, max_new_tokens,
                               prompt_lookup_num_tokens=pld_num_tokens, max_matching_ngram_size=pld_max_ngram),
                           f"{pld_num_tokens} tokens, n-gram <= {pld_max_ngram}"))
+        elif m == "pld_tree":
+            from .decoding import PromptLookupTreeProposer
+
+            prop = PromptLookupTreeProposer(max_ngram=pld_max_ngram, num_tokens=pld_num_tokens,
+                                            max_branches=pld_tree_branches, max_nodes=pld_tree_nodes)
+            pairs.append(("pld tree", ours("pld_tree", prop, pld_num_tokens),
+                          _HF(f"generate(prompt_lookup_num_tokens={pld_num_tokens})", model, eos, pad, max_new_tokens,
+                              prompt_lookup_num_tokens=pld_num_tokens, max_matching_ngram_size=pld_max_ngram),
+                          f"{pld_num_tokens} deep, <= {pld_tree_branches} matches, <= {pld_tree_nodes} nodes"))
         elif m in ("eagle3", "eagle3_tree"):
             if drafter is None:
                 log(f"[bench] no EAGLE-3 drafter: skipping {m}")
@@ -183,7 +194,7 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
                 pairs.append(("eagle3 tree", ours(m, prop, tree_cfg["depth"], taps), hf_ar,
                               "depth {depth}, top-k {top_k}, {total_tokens} nodes".format(**tree_cfg)))
         else:
-            raise DraftTrainError(f"bench: unknown method {m!r} (ar, draft_model, pld, eagle3, eagle3_tree)")
+            raise DraftTrainError(f"bench: unknown method {m!r} (ar, draft_model, pld, pld_tree, eagle3, eagle3_tree)")
 
     # warm-up: first calls pay for allocation, lazy initialisation and kernel selection
     for _ in range(warmup):
@@ -297,7 +308,8 @@ def run_bench(cfg) -> dict:
     res = bench(model, tokenizer, prompts, drafter=drafter, draft_model=dm, methods=job.methods,
                 max_new_tokens=job.max_new_tokens, warmup=job.warmup, runs=job.runs,
                 num_draft_tokens=job.num_draft_tokens, pld_num_tokens=job.pld_num_tokens,
-                pld_max_ngram=job.pld_max_ngram,
+                pld_max_ngram=job.pld_max_ngram, pld_tree_branches=job.pld_tree_branches,
+                pld_tree_nodes=job.pld_tree_nodes,
                 tree=dict(depth=job.tree.depth, top_k=job.tree.top_k, total_tokens=job.tree.total_tokens),
                 cache=job.cache, static_shapes=job.static_shapes, compile=job.compile,
                 hf_num_assistant_tokens=job.hf_num_assistant_tokens)

@@ -290,8 +290,9 @@ class BenchJob:
     draft_model: Optional[str] = "builtin-small"
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    # rows: ar | draft_model | pld | eagle3 (chain) | eagle3_tree
-    methods: List[str] = field(default_factory=lambda: ["ar", "draft_model", "pld", "eagle3", "eagle3_tree"])
+    # rows: ar | draft_model | pld | pld_tree | eagle3 (chain) | eagle3_tree
+    methods: List[str] = field(default_factory=lambda: ["ar", "draft_model", "pld", "pld_tree", "eagle3",
+                                                         "eagle3_tree"])
     num_prompts: int = 8  # held-out prompts from `data`
     max_new_tokens: int = 128
     warmup: int = 1  # untimed passes over the first prompt, per method
@@ -299,6 +300,8 @@ class BenchJob:
     num_draft_tokens: int = 4  # ours: K of draft_model and the eagle3 chain
     pld_num_tokens: int = 10  # prompt lookup: drafts per round, ours and HF (prompt_lookup_num_tokens)
     pld_max_ngram: int = 3  # prompt lookup: longest n-gram matched, ours and HF (max_matching_ngram_size)
+    pld_tree_branches: int = 4  # pld_tree: continuations of up to this many matches, merged into one tree
+    pld_tree_nodes: int = 32  # pld_tree: the most draft nodes per round
     hf_num_assistant_tokens: Optional[int] = None  # HF assisted generation: None = HF's default schedule
     tree: TreeConfig = field(default_factory=TreeConfig)  # eagle3_tree: depth, top_k, total_tokens
     cache: str = "auto"  # our target KV cache: auto | static | dynamic

@@ -40,7 +40,7 @@ def medusa_choices_for(drafter, decode):
 
 def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, device="cpu"):
     """The proposer of ``decode.method``; ``decode.tree.enabled`` selects the tree variant (eagle3, medusa,
-    oracle). Tree proposers draft up to ``decode.tree.depth`` tokens along a path (see
+    pld, oracle). Tree proposers draft up to ``decode.tree.depth`` tokens along a path (see
     :func:`draft_depth`)."""
     from .decoding.proposers import (DraftModelProposer, Eagle3ChainProposer, Eagle3TreeProposer,
                                      MedusaChainProposer, MedusaTreeProposer, NoDraft, OracleProposer,
@@ -66,6 +66,11 @@ def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, d
     if method == "ar":
         return NoDraft()
     if method == "pld":
+        if use_tree:  # several matches' continuations as one trie: depth tokens, top_k branches
+            from .decoding.proposers import PromptLookupTreeProposer
+
+            return PromptLookupTreeProposer(max_ngram=decode.pld_max_ngram, num_tokens=tree.depth,
+                                            max_branches=tree.top_k, max_nodes=tree.total_tokens)
         return PromptLookupProposer(max_ngram=decode.pld_max_ngram, num_tokens=decode.num_draft_tokens)
     if method == "oracle":
         if use_tree:  # the right path among top_k - 1 wrong siblings per depth: a benchmark of tree verify

@@ -51,9 +51,10 @@ def tiny(tiny_builtin_target):
 def test_bench_rows_and_identical_outputs(tiny):
     model, tok, draft, drafter, prompts = tiny
     res = bench(model, tok, prompts, drafter=drafter, draft_model=draft, max_new_tokens=12, warmup=0, runs=1,
+                methods=("ar", "draft_model", "pld", "pld_tree", "eagle3", "eagle3_tree"),
                 num_draft_tokens=3, pld_num_tokens=4, tree=dict(depth=3, top_k=2, total_tokens=6), log=lambda *_: None)
     rows = {r["method"]: r for r in res["rows"]}
-    assert list(rows) == ["ar", "draft_model", "pld", "eagle3 chain", "eagle3 tree"]
+    assert list(rows) == ["ar", "draft_model", "pld", "pld tree", "eagle3 chain", "eagle3 tree"]
     for r in rows.values():
         assert r["outputs_identical_to_hf"] and r["outputs_identical_to_ar"], r["method"]
         assert r["ours_tokens_per_s"] > 0 and r["hf_tokens_per_s"] > 0

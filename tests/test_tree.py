@@ -20,6 +20,8 @@ from drafttrain.decoding import (
     MedusaChainProposer,
     MedusaTreeProposer,
     NoDraft,
+    PromptLookupProposer,
+    PromptLookupTreeProposer,
     SpecDecoder,
     StubTreeProposer,
     TargetRunner,
@@ -140,6 +142,18 @@ def test_medusa_choices_from_accuracy_is_optimal():
         assert expected_accepted_length(chosen, acc) == pytest.approx(best)
     assert medusa_choices_from_accuracy(DEFAULT_MEDUSA_ACCURACY, 24) == DEFAULT_MEDUSA_CHOICES
     assert max(len(c) for c in medusa_choices_from_accuracy(acc, 20, max_depth=2)) == 2
+
+
+def test_prompt_lookup_tree_merges_matches():
+    ctx = [1, 2, 5, 6, 9, 1, 2, 5, 7, 8, 1, 2, 3, 4, 0, 1, 2]  # bigram (1, 2) at 0, 5, 10 and at the end
+    t = PromptLookupTreeProposer(max_ngram=2, num_tokens=3, max_branches=3).propose_tree(ctx, 3, 20, None)
+    # first branch = the chain proposer's draft; shared prefixes (5) are merged
+    chain, _ = PromptLookupProposer(max_ngram=2, num_tokens=3).propose(ctx, 3, None)
+    assert [t.tokens[i - 1] for i in t.path_to(3)] == chain == [3, 4, 0]
+    assert t.tokens == [3, 4, 0, 5, 7, 8, 6, 9] and t.parents == [0, 1, 2, 0, 4, 5, 4, 7]
+    small = PromptLookupTreeProposer(max_ngram=2, num_tokens=3, max_branches=3).propose_tree(ctx, 2, 4, None)
+    assert small.tokens == [3, 4, 5, 7] and small.depth == 2  # limits on depth and nodes
+    assert PromptLookupTreeProposer().propose_tree([4, 5, 6], 3, 10, None).num_nodes == 0  # no match
 
 
 def test_medusa_topk_accuracy():
@@ -279,11 +293,12 @@ def _tree_proposers(s):
         "stub_tree_always": (StubTreeProposer(s.ar, lambda j: True, V, branching=3), 4, None),
         "stub_tree_sometimes": (StubTreeProposer(s.ar, lambda j: j % 5 not in (2, 4), V), 3, None),
         "stub_tree_never": (StubTreeProposer(s.ar, lambda j: False, V), 2, None),
+        "pld_tree": (PromptLookupTreeProposer(max_ngram=2, num_tokens=4, max_branches=3, max_nodes=10), 4, None),
     }
 
 
 @pytest.mark.parametrize("name", ["eagle3_tree", "medusa_chain", "medusa_tree", "stub_tree_always",
-                                  "stub_tree_sometimes", "stub_tree_never"])
+                                  "stub_tree_sometimes", "stub_tree_never", "pld_tree"])
 def test_greedy_equals_ar(setup, name):
     prop, K, taps = _tree_proposers(setup)[name]
     runner = TargetRunner(setup.model, taps=taps, max_len=256)
@@ -533,6 +548,8 @@ def _toy_tree_proposer(name):
         return MedusaChainProposer(_toy_heads()), (1,), 2
     if name == "eagle3_tree":
         return Eagle3TreeProposer(toy_eagle3(), max_len=32, depth=3, top_k=2, total_tokens=5), (0, 1, 1), 3
+    if name == "pld_tree":
+        return PromptLookupTreeProposer(max_ngram=1, num_tokens=3, max_branches=2), None, 3
     ref = [0, 1, 2, 3, 4, 0, 1]  # a fixed guess, deterministic given the position: still lossless
     return StubTreeProposer(ref, lambda j: True, TOY_V, branching=2), None, 3
 
@@ -558,6 +575,7 @@ TREE_TOY_CASES = [
     ("eagle3_tree", 1.0, 0, 0.8),
     ("stub_tree", 0.8, 3, 0.9),
     ("medusa_chain", 1.0, 0, 0.9),
+    ("pld_tree", 0.9, 0, 1.0),
 ]
 
 

@@ -186,6 +186,62 @@ class PromptLookupProposer(_DeterministicBase):
         return [], None
 
 
+class PromptLookupTreeProposer(PromptLookupProposer):
+    """Prompt lookup with a tree: the continuations of up to ``max_branches`` earlier matches, merged into a
+    trie (shared prefixes once), verified in one target forward. The first branch is exactly the chain
+    proposer's draft; the others are the remaining matches of the longest matching n-gram, most recent first,
+    then those of shorter n-grams. Drafts are a deterministic function of the context (lossless under
+    sampling through the tree verifier)."""
+
+    name = "prompt_lookup_tree"
+    tree = True
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10, max_branches: int = 4,
+                 max_nodes: int = 48):
+        super().__init__(max_ngram, min_ngram, num_tokens)
+        self.max_branches, self.max_nodes = int(max_branches), int(max_nodes)
+        self.depth = int(num_tokens)
+
+    def propose_tree(self, tokens, max_depth, max_nodes, sampling) -> DraftTree:
+        depth = min(int(max_depth), self.num_tokens)
+        budget = min(int(max_nodes), self.max_nodes)
+        L = len(tokens)
+        if depth <= 0 or budget <= 0 or L < 2:
+            return DraftTree([], [])
+        arr = np.asarray(tokens, dtype=np.int64)
+        starts: list[int] = []
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
+            hits = np.nonzero((windows == arr[L - n :]).all(axis=1))[0]
+            if not hits.size:
+                continue
+            full = hits[hits + n + depth <= L]
+            first = int(full[-1] if full.size else hits[0])  # the chain proposer's choice
+            for h in [first] + [int(h) for h in hits[::-1] if h != first]:
+                if h + n not in starts:
+                    starts.append(h + n)
+                if len(starts) >= self.max_branches:
+                    break
+            if len(starts) >= self.max_branches:
+                break
+        toks: list[int] = []
+        pars: list[int] = []
+        children: list[dict[int, int]] = [{}]
+        for st in starts:
+            node = 0
+            for t in arr[st : st + depth].tolist():
+                nxt = children[node].get(t)
+                if nxt is None:
+                    if len(toks) >= budget:
+                        break
+                    toks.append(t)
+                    pars.append(node)
+                    children.append({})
+                    nxt = children[node][t] = len(toks)
+                node = nxt
+        return DraftTree(toks, pars)
+
+
 class DraftModelProposer:
     """Vanilla speculative decoding with a separate small causal LM sharing the target's tokenizer.
 
