@@ -55,6 +55,10 @@ class _IndexedLayer(CacheLayerMixin):
         self.device = key_states.device
         self.keys = torch.zeros((B, H, cap, Dk), dtype=key_states.dtype, device=self.device)
         self.values = torch.zeros((B, H, cap, value_states.shape[-1]), dtype=value_states.dtype, device=self.device)
+        if not torch.compiler.is_compiling():
+            # fixed addresses: a CUDA graph may then mutate the buffers in place without copying them
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
