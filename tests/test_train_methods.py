@@ -166,6 +166,9 @@ class _Tok:
     eos_token_id = 2
     pad_token_id = 0
 
+    def save_pretrained(self, path):
+        pass
+
 
 def _target(seed=0):
     torch.manual_seed(seed)
@@ -326,3 +329,45 @@ def test_on_policy_rows_are_the_drafts_own_samples():
             assert prompt_len(r) == 3
     again = m.transform_examples(d, [rows, rows], step=0, rank=0)
     assert again == out  # a function of (seed, step, rank, micro-batch): resumable
+
+
+@pytest.mark.parametrize("init,hidden", [("from_target_layers", None), ("from_config", 16)])
+def test_distill_checkpoint_and_save_round_trip(tmp_path, init, hidden):
+    """Checkpoints leave out the (frozen or LM-head-tied) input embedding and still restore the draft exactly;
+    the saved HF directory reloads to the same logits."""
+    from drafttrain.training import checkpoint
+    from drafttrain.training.distill import DistillMethod
+
+    t = _target()
+    cfg = _cfg("DistillConfig", init=init, num_layers=2, hidden_size=hidden, intermediate_size=32 if hidden else None)
+
+    def build(seed):
+        m = DistillMethod(cfg, _Tok(), t)
+        d = m.build_drafter(t, [], "tiny")
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in d.trainable_parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        return d
+
+    a, b = build(1), build(2)
+    emb = a.lm.get_input_embeddings().weight
+    if hidden:  # tied to the trained LM head
+        assert emb is a.lm.get_output_embeddings().weight and emb.requires_grad
+    else:  # frozen copy of the target's
+        assert not emb.requires_grad and torch.equal(emb, t.get_input_embeddings().weight)
+    opt = torch.optim.AdamW(a.trainable_parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    checkpoint.save_checkpoint(tmp_path / "ck", a, opt, sched, 1, {"method": "distill", "target": "tiny"})
+    opt_b = torch.optim.AdamW(b.trainable_parameters())
+    checkpoint.load_checkpoint(tmp_path / "ck", b, opt_b, torch.optim.lr_scheduler.LambdaLR(opt_b, lambda s: 1.0))
+    ids = torch.randint(3, V, (1, 10))
+    a.eval(), b.eval()
+    with torch.no_grad():
+        ref = a(ids)
+        torch.testing.assert_close(b(ids), ref, rtol=0, atol=0)
+    a.save_pretrained(tmp_path / "final")
+    re = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
+    assert re.config.drafter_type == "draft_lm"
+    with torch.no_grad():
+        torch.testing.assert_close(re(input_ids=ids).logits, ref, rtol=1e-5, atol=1e-5)

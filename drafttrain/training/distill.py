@@ -122,8 +122,21 @@ class DistillMethod:
     def build_drafter(self, target_model, examples, target_name: str) -> DraftLM:
         c = self.cfg
         lm = build_draft_lm(target_model, mode=c.init, num_layers=int(c.num_layers), hidden_size=c.hidden_size,
-                            intermediate_size=c.intermediate_size, pretrained_path=c.pretrained, seed=c.seed)
+                            intermediate_size=c.intermediate_size, pretrained_path=c.pretrained, seed=c.seed,
+                            dtype=torch.float32)  # fp32 master weights (autocast handles bf16 compute)
         lm.requires_grad_(True)
+        # The input embedding is frozen (EAGLE-3 does the same): a copy of the target's where the widths match
+        # (from_target_layers already has it), the pretrained draft's own otherwise; checkpoints rebuild it
+        # rather than store it. A narrower from_config draft ties it to its (trained) LM head instead.
+        emb, t_emb = lm.get_input_embeddings(), target_model.get_input_embeddings()
+        if c.init == "from_config" and emb.weight.shape == t_emb.weight.shape:
+            with torch.no_grad():
+                emb.weight.copy_(t_emb.weight.to(emb.weight.dtype))
+        if c.init == "from_config" and emb.weight.shape != t_emb.weight.shape:
+            lm.get_input_embeddings().weight = lm.get_output_embeddings().weight
+            lm.config.tie_word_embeddings = True
+        else:
+            emb.weight.requires_grad_(False)
         lm.train()
         if c.use_lora:
             from ..drafters.medusa import add_lora

@@ -171,8 +171,7 @@ class MedusaMethod:
         else:
             heads = MedusaHeads.from_target(target_model, num_heads=self.K, num_layers=int(c.num_layers),
                                             target_name_or_path=target_name)
-        heads.target_name_or_path = target_name
-        heads.to(next(target_model.parameters()).dtype)
+        heads.target_name_or_path = target_name  # heads stay float32 (master weights; they cast their input)
         if not self.joint:
             return MedusaTrainable(heads)
         try:
