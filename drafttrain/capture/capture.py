@@ -213,7 +213,7 @@ def run_capture(model, examples: list[dict], out_dir: str | Path, *, method: str
         ids = list(range(start, end))
         tensors = S.pack_shard(ids, [examples[i] for i in ids],
                                {name: [per_example[i][name] for i in ids] for name in plan["features"]}, sdtype)
-        rec = S.write_shard(out, k, tensors, meta)
+        rec = S.write_shard(out, k, tensors, meta, rank=rank)
         stats["shards_written"] += 1
         stats["tokens"] += rec["tokens"]
         stats["bytes_written"] += rec["bytes"]

@@ -112,8 +112,9 @@ def pack_shard(example_ids: Sequence[int], examples: Sequence[dict], feats: dict
     return out
 
 
-def write_shard(directory: Path, k: int, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> dict:
-    """Write shard k atomically, then its record; return the record."""
+def write_shard(directory: Path, k: int, tensors: dict[str, torch.Tensor], meta: dict[str, str],
+                rank: int = 0) -> dict:
+    """Write shard k atomically, then its record (``rank``: the process that captured it); return the record."""
     from safetensors.torch import save
 
     blob = save(tensors, metadata=meta)
@@ -127,6 +128,7 @@ def write_shard(directory: Path, k: int, tensors: dict[str, torch.Tensor], meta:
     n = int(tensors["example_ids"].numel())
     record = {
         "shard": k,
+        "rank": int(rank),
         "file": shard_name(k),
         "bytes": len(blob),
         "sha256": digest,
