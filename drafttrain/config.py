@@ -160,6 +160,8 @@ class TrainConfig:
     log_every: int = 10
     resume: Optional[str] = None  # a checkpoint directory, or "auto" (latest in this run directory)
     eval: bool = True  # evaluate the final drafter in the speculative decoder
+    # also decode with every intermediate checkpoint (report.json in its directory; eval/* logged at its step)
+    eval_checkpoints: bool = False
 
 
 @dataclass

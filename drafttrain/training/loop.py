@@ -256,6 +256,11 @@ def run_train(cfg) -> dict | None:
                 accelerator.log({f"train/{k}": v for k, v in summary.items() if k != "step"}, step=done)
         if tc.save_every and done % tc.save_every == 0 and done < tc.max_steps:
             _save(accelerator, run_dir, drafter, optimizer, scheduler, done, meta, tc.keep_checkpoints, wrapped, order)
+            if tc.eval_checkpoints:
+                t_eval = time.time()
+                _eval_checkpoint(accelerator, method, model, tokenizer, wrapped, job, eval_convs, run_dir, tname, done,
+                                 log_with)
+                t_log += time.time() - t_eval  # tokens/s counts training time only
     bar.close()
     train_seconds = time.time() - t_start
 
@@ -321,6 +326,34 @@ def _save(accelerator, run_dir, drafter, optimizer, scheduler, step, meta, keep,
         path = checkpoint.checkpoint_dir(run_dir, step)
         checkpoint.write_checkpoint(path, weights, optim_state, scheduler, step, meta)
         checkpoint.prune_checkpoints(run_dir, keep)
+    accelerator.wait_for_everyone()
+
+
+def _eval_checkpoint(accelerator, method, model, tokenizer, wrapped, job, eval_convs, run_dir, tname, step,
+                     log_with) -> None:
+    """train.eval_checkpoints: decode with the drafter as of this checkpoint (main process); the report lands
+    in the checkpoint's directory and eval/* (α, τ, speedup, the acceptance plot) is logged at its step."""
+    from .logging import log_image
+
+    skip = "ZeRO-3 (partitioned weights)" if _zero3(accelerator) else \
+        "a method that changes the target" if hasattr(method, "eval_setup") else None
+    if skip:
+        if accelerator.is_main_process and step == job.train.save_every:
+            print(f"[drafttrain] train.eval_checkpoints: skipped under {skip}; evaluate checkpoints with drafttrain "
+                  "eval", flush=True)
+        return
+    if accelerator.is_main_process:
+        from ..eval import evaluate_drafter
+
+        path = checkpoint.checkpoint_dir(run_dir, step)
+        module = accelerator.unwrap_model(wrapped)
+        report = evaluate_drafter(model, tokenizer, module, job.decode, eval_convs, path, target_name=tname,
+                                  drafter_name=str(path))
+        module.train()
+        if log_with:
+            accelerator.log({f"eval/{k}": v for k, v in report.items() if isinstance(v, (int, float))}, step=step)
+            if (path / "acceptance.png").exists():
+                log_image(accelerator, "eval/acceptance_per_position", path / "acceptance.png", step)
     accelerator.wait_for_everyone()
 
 
