@@ -311,12 +311,13 @@ def test_evaluate_reports_grammar_and_valid_fraction(env, tmp_path):
     assert rep["baseline_valid_fraction"] == 1.0 and rep["outputs_match_baseline"] is True
     assert read_json(tmp_path / "report.json")["valid_fraction"] == 1.0
     # decode.grammar=none on the same rows: unconstrained, still validated (the tiny target writes no JSON)
-    rep = evaluate(env["model"], env["tok"], prompts, prop, decode, None, **common,
-                   grammars=grammar_plan("none", examples, 2))
+    decode.max_new_tokens = 40
+    rep = evaluate(env["model"], env["tok"], prompts[:1], prop, decode, None, **common,
+                   grammars=grammar_plan("none", examples, 1))
     assert rep["grammar"] is None and rep["valid_fraction"] == 0.0 and rep["invalid_outputs"]
     # a regex for every prompt via decode.grammar
     decode.grammar = f"regex:{DIGITS}"
-    rep = evaluate(env["model"], env["tok"], prompts, prop, decode, None, **common)
+    rep = evaluate(env["model"], env["tok"], prompts[:1], prop, decode, None, **common)
     assert rep["grammar"] == f"regex:{DIGITS}" and rep["valid_fraction"] == 1.0 and rep["outputs_match_baseline"]
 
 
@@ -327,7 +328,7 @@ def test_grammar_plan_and_eval_data(tmp_path):
     from drafttrain.eval import eval_conversations
     from drafttrain.io import DraftTrainError
 
-    rows = builtin_structured_examples(limit=3, seed=0)
+    rows = builtin_structured_examples(limit=3, seed=0, max_string_length=8)
     plan = grammar_plan(None, rows, 2)
     assert plan.label == "json_schema:per-row" and [s.schema for s in plan.decode] == [r.schema for r in rows[:2]]
     assert plan.check == plan.decode
