@@ -321,6 +321,30 @@ def test_evaluate_reports_grammar_and_valid_fraction(env, tmp_path):
     assert rep["grammar"] == f"regex:{DIGITS}" and rep["valid_fraction"] == 1.0 and rep["outputs_match_baseline"]
 
 
+def test_structured_training_data_from_the_target(env, tmp_path):
+    """answer_with_target: the target's own constrained answers (== the constrained AR reference), written as
+    rows that read back both as structured eval rows and as chat training data with assistant loss masks."""
+    from drafttrain.data.chat import read_conversations, tokenize_conversation
+    from drafttrain.structured import answer_with_target, read_structured_jsonl, write_structured_jsonl
+
+    examples = [e for e in builtin_structured_examples(limit=60, seed=0, max_string_length=8)
+                if len(e.schema["properties"]["arguments"]["properties"]) <= 2][:2]
+    rows = answer_with_target(env["model"], env["tok"], examples, max_new_tokens=MAX_NEW)
+    assert len(rows) == 2
+    for row, ref in zip(rows, env["refs"]):
+        answer = row.messages[-1]
+        assert answer["role"] == "assistant" and row.check(answer["content"]) is None
+        assert answer["content"] == decode_output(env["tok"], ref, [env["eos"]])
+    assert answer_with_target(env["model"], env["tok"], examples[:1], max_new_tokens=5) == []  # cut: left out
+    path = tmp_path / "structured_train.jsonl"
+    write_structured_jsonl(path, rows)
+    back = read_structured_jsonl(path)
+    assert [b.schema for b in back] == [r.schema for r in rows] and back[0].prompt_messages == examples[0].messages
+    convs = read_conversations(path)
+    enc = tokenize_conversation(env["tok"], convs[0], max_length=None)
+    assert sum(enc["loss_mask"]) > 0
+
+
 def test_grammar_plan_and_eval_data(tmp_path):
     import json
 

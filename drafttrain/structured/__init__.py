@@ -1,10 +1,12 @@
 """Structured output: grammar-constrained decoding (xgrammar) and structured eval sets."""
 from .evalset import (
     StructuredExample,
+    answer_with_target,
     builtin_structured_examples,
     function_call_schema,
     read_structured_jsonl,
     validate_outputs,
+    write_structured_jsonl,
 )
 from .grammar import (
     CompiledGrammar,
@@ -28,6 +30,7 @@ __all__ = [
     "GrammarPlan",
     "GrammarState",
     "StructuredExample",
+    "answer_with_target",
     "apply_mask",
     "builtin_structured_examples",
     "check_output",
@@ -40,5 +43,6 @@ __all__ = [
     "tokenizer_info",
     "unpack_bitmask",
     "validate_outputs",
+    "write_structured_jsonl",
     "UNCONSTRAINED",
 ]

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
 from ..data import stdlib
 from ..data.chat import ROLES, prompt_ids
 from ..io import DraftTrainError
@@ -42,6 +44,8 @@ __all__ = [
     "builtin_structured_examples",
     "read_structured_jsonl",
     "validate_outputs",
+    "answer_with_target",
+    "write_structured_jsonl",
 ]
 
 INT_BOUND = 1_000_000  # |integer| and |number| arguments are at most this
@@ -336,6 +340,45 @@ def read_structured_jsonl(path: str | Path, limit: int | None = None) -> list[St
     if not out:
         raise DraftTrainError(f"{path}: no structured rows")
     return out
+
+
+@torch.no_grad()
+def answer_with_target(model, tokenizer, examples: Sequence[StructuredExample], max_new_tokens: int = 256,
+                       stop_token_ids: Sequence[int] | None = None) -> list[StructuredExample]:
+    """Drafter training data for structured traffic: each row with a final assistant turn holding the target's
+    own greedy answer under the row's schema (grammar-constrained AR decoding), so a drafter can learn what
+    the target writes when it is constrained. Rows whose answer does not end within ``max_new_tokens`` are
+    left out. Write them with :func:`write_structured_jsonl`; ``data=jsonl data.path=<file>`` trains on them
+    (the rows are OpenAI-shaped; the extra ``schema`` key is ignored there) and ``data=structured
+    data.path=<file>`` evaluates on them."""
+    from ..decoding import NoDraft, SpecDecoder, TargetRunner
+    from .grammar import compile_grammar, decode_output
+
+    stops = sorted({int(tokenizer.eos_token_id), *(int(t) for t in (stop_token_ids or []))})
+    vocab = int(model.config.vocab_size)
+    prompts = [e.prompt_ids(tokenizer) for e in examples]
+    runner = TargetRunner(model, max_len=max((len(p) for p in prompts), default=0) + max_new_tokens + 1)
+    dec = SpecDecoder(runner, NoDraft(), 0)
+    out = []
+    for e, p in zip(examples, prompts):
+        state = compile_grammar(e.schema, tokenizer, vocab, stops, where=e.where or "structured row").state()
+        res = dec.generate(p, max_new_tokens, stops, grammar=state)
+        if not state.is_terminated():
+            continue
+        text = decode_output(tokenizer, res.tokens, stops)
+        out.append(StructuredExample([*e.prompt_messages, {"role": "assistant", "content": text}], e.schema,
+                                     id=e.id, where=e.where, meta=dict(e.meta)))
+    return out
+
+
+def write_structured_jsonl(path: str | Path, examples: Sequence[StructuredExample]) -> None:
+    """Rows ``{"messages", "schema", "id"}``, one per line, written atomically (read back with
+    :func:`read_structured_jsonl`, or as chats with ``data=jsonl``)."""
+    from ..io import write_text
+
+    lines = [json.dumps({"messages": e.messages, "schema": e.schema, "id": e.id}, ensure_ascii=False)
+             for e in examples]
+    write_text(path, "".join(line + "\n" for line in lines))
 
 
 def validate_outputs(texts: Sequence[str], examples: Sequence[StructuredExample]) -> dict:
