@@ -162,8 +162,8 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
             if hf_num_assistant_tokens:
                 draft_model.generation_config.num_assistant_tokens = int(hf_num_assistant_tokens)
                 draft_model.generation_config.num_assistant_tokens_schedule = "constant"
-            pairs.append(("draft_model", ours("draft_model", DraftModelProposer(draft_model, max_len=max_len),
-                                              num_draft_tokens),
+            prop = DraftModelProposer(draft_model, max_len=max_len, static_shapes=static_shapes, compile=compile)
+            pairs.append(("draft_model", ours("draft_model", prop, num_draft_tokens),
                           _HF("generate(assistant_model=...)", model, eos, pad, max_new_tokens, **kw),
                           f"K={num_draft_tokens}"))
         elif m == "pld":

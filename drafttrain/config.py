@@ -196,7 +196,9 @@ class DecodeConfig:
     # target KV cache: auto (static preallocated where the model allows, else HF DynamicCache) | static | dynamic
     cache: str = "auto"
     static_shapes: bool = False  # pad verify forwards to fixed sizes (what CUDA graphs need)
-    compile: bool = False  # CUDA + static_shapes: torch.compile(mode="reduce-overhead") of the verify forward
+    # with static_shapes: torch.compile the verify forward and the EAGLE-3 / draft-model draft steps (CUDA:
+    # mode="reduce-overhead", i.e. CUDA graphs; CPU: inductor); compiles once per shape at warm-up
+    compile: bool = False
     # Medusa's typical acceptance when sampling: LOSSY (the output is not the target's distribution); off by
     # default and reported as lossy
     typical_acceptance: bool = False
@@ -308,7 +310,7 @@ class BenchJob:
     tree: TreeConfig = field(default_factory=TreeConfig)  # eagle3_tree: depth, top_k, total_tokens
     cache: str = "auto"  # our target KV cache: auto | static | dynamic
     static_shapes: bool = False  # our CUDA-graph path (padded verify, static draft steps)
-    compile: bool = False  # with static_shapes on CUDA: torch.compile(mode="reduce-overhead")
+    compile: bool = False  # with static_shapes: torch.compile (CUDA graphs on CUDA, inductor on CPU)
     threads: int = 0  # torch.set_num_threads for the run (0: leave as is)
 
 

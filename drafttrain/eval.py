@@ -38,6 +38,11 @@ def medusa_choices_for(drafter, decode):
     return [c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= drafter.num_heads]
 
 
+def _static_kw(decode) -> dict:
+    return dict(static_shapes=bool(getattr(decode, "static_shapes", False)),
+                compile=bool(getattr(decode, "compile", False)))
+
+
 def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, device="cpu"):
     """The proposer of ``decode.method``; ``decode.tree.enabled`` selects the tree variant (eagle3, medusa,
     pld, oracle). Tree proposers draft up to ``decode.tree.depth`` tokens along a path (see
@@ -51,8 +56,7 @@ def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, d
     if method == "eagle3":
         if drafter is None:
             raise DraftTrainError("decode.method=eagle3 needs a drafter (drafter=runs/<run>/final)")
-        static = dict(static_shapes=bool(getattr(decode, "static_shapes", False)),
-                      compile=bool(getattr(decode, "compile", False)))
+        static = _static_kw(decode)
         if use_tree:
             return Eagle3TreeProposer(drafter, max_len=max_len, depth=tree.depth, top_k=tree.top_k,
                                       total_tokens=tree.total_tokens, **static)
@@ -78,13 +82,13 @@ def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, d
         return OracleProposer([])
     if method == "draft_model":
         if drafter is not None:  # a distilled draft (recipe=distill), already loaded
-            return DraftModelProposer(drafter, max_len=max_len)
+            return DraftModelProposer(drafter, max_len=max_len, **_static_kw(decode))
         if not decode.draft_model:
             raise DraftTrainError("decode.method=draft_model needs decode.draft_model=<dir of a causal LM>")
         from transformers import AutoModelForCausalLM
 
         dm = AutoModelForCausalLM.from_pretrained(decode.draft_model).eval().to(device)
-        return DraftModelProposer(dm, max_len=max_len)
+        return DraftModelProposer(dm, max_len=max_len, **_static_kw(decode))
     raise DraftTrainError(f"decode.method={method}: expected one of ar, eagle3, medusa, pld, oracle, draft_model")
 
 

@@ -613,6 +613,16 @@ def test_typical_acceptance_is_labelled_lossy(llama):
     assert not greedy.lossy and greedy.tokens == llama.ar  # greedy ignores the typical option
 
 
+@pytest.mark.slow
+def test_cpu_compiled_verify_matches_eager(llama):
+    """compile=True on CPU (inductor, one shape per bucket) decodes exactly as the eager path."""
+    runner = TargetRunner(llama.model, max_len=128, static_shapes=True, compile=True, buckets=(8,))
+    assert runner._compiled is not None
+    prop = StubTreeProposer(llama.ar, lambda j: j % 3 != 2, V, branching=2)
+    res = SpecDecoder(runner, prop, 3).generate(llama.prompt, 20)
+    assert res.tokens == llama.ar[:20] and res.num_rounds < 19
+
+
 # ------------------------------------------------------------------------------------------- CUDA path
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -255,14 +255,17 @@ class DraftModelProposer:
         vocab_size: the target's logits width if it differs from the draft's (draft logits are padded
             with -inf or truncated to it before processing, so q lives in the target vocabulary).
         max_len: draft cache capacity (default: the draft's ``max_position_embeddings``).
+        static_shapes, compile: the draft model's runner options (see ``TargetRunner``).
     """
 
     name = "draft_model"
     stochastic = True
     grammar_aware = True
 
-    def __init__(self, draft_model, vocab_size: int | None = None, max_len: int | None = None):
-        self.runner = TargetRunner(draft_model, taps=None, max_len=max_len)
+    def __init__(self, draft_model, vocab_size: int | None = None, max_len: int | None = None,
+                 static_shapes: bool = False, compile: bool = False):
+        self.runner = TargetRunner(draft_model, taps=None, max_len=max_len, static_shapes=static_shapes,
+                                   compile=compile)
         self.vocab_size = int(vocab_size) if vocab_size is not None else self.runner.vocab_size
         self.reset()
 
@@ -376,8 +379,8 @@ class Eagle3ChainProposer:
         max_len: capacity of the drafter's cache (target max length + K is enough).
         static_shapes: run the per-token draft steps with static shapes (:func:`eagle3_step_static`: write
             by index, attend over the whole preallocated cache with a mask), as CUDA graphs need.
-        compile: on CUDA with ``static_shapes``, capture that step with
-            ``torch.compile(mode="reduce-overhead")``.
+        compile: with ``static_shapes``, compile that step (CUDA graphs on CUDA, inductor on CPU; see
+            :func:`drafttrain.decoding.target.compile_static`).
     """
 
     name = "eagle3"
@@ -391,8 +394,10 @@ class Eagle3ChainProposer:
         self.device, self.dtype = p.device, p.dtype
         self.static_shapes = bool(static_shapes)
         self._step_static = eagle3_step_static
-        if compile and self.static_shapes and self.device.type == "cuda":
-            self._step_static = torch.compile(eagle3_step_static, mode="reduce-overhead", dynamic=False)
+        if compile and self.static_shapes:
+            from .target import compile_static
+
+            self._step_static = compile_static(eagle3_step_static, self.device)
         self.reset()
 
     def _draft_step(self, ids: Tensor, hidden: Tensor, pos: Tensor, attn_mask: Tensor | None = None):

@@ -17,9 +17,9 @@ Two caches sit behind the same interface (``length`` / ``truncate(n)`` / ``keep(
   for models without sliding-window layers (compaction by ``index_select`` on each layer's tensors).
 
 ``static_shapes=True`` (the CUDA-graph path) pads every verify forward to a fixed bucket of positions and
-attends over the whole buffer (masked), so each bucket has one static shape; on CUDA, ``compile=True``
-wraps that forward in ``torch.compile(mode="reduce-overhead")`` (CUDA graphs). The same padded code runs
-eagerly on CPU, where it is tested.
+attends over the whole buffer (masked), so each bucket has one static shape; ``compile=True`` wraps that
+forward in ``torch.compile`` (on CUDA ``mode="reduce-overhead"``: CUDA graphs; on CPU inductor's default
+mode). The same padded code runs eagerly on CPU, where it is tested.
 """
 from __future__ import annotations
 
@@ -35,6 +35,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def compile_static(fn, device: torch.device):
+    """``torch.compile`` for a function whose shapes never change: CUDA graphs on CUDA
+    (``mode="reduce-overhead"``); on CPU the default inductor mode (fused C++ kernels, far less Python
+    overhead per forward). One compilation per input shape (per bucket), paid at warm-up."""
+    if device.type == "cuda":
+        return torch.compile(fn, mode="reduce-overhead", dynamic=False)
+    return torch.compile(fn, dynamic=False)
 
 
 # ----------------------------------------------------------------------------------------- static cache
@@ -159,8 +168,8 @@ class TargetRunner:
             cache only): one shape per bucket, as CUDA graphs need.
         buckets: the padded sizes for ``static_shapes`` (a forward of n positions uses the smallest
             bucket >= n; longer ones, e.g. the prefill, run unpadded).
-        compile: on CUDA with ``static_shapes``, run the padded forward through
-            ``torch.compile(mode="reduce-overhead")`` (CUDA graphs); ignored elsewhere.
+        compile: with ``static_shapes``, run the padded forward through ``torch.compile`` (CUDA graphs via
+            ``mode="reduce-overhead"`` on CUDA, inductor's default mode on CPU); see :func:`compile_static`.
         timing: synchronise around each forward to measure ``time_forward`` (one extra device sync per
             forward on CUDA; turn off for pure throughput runs).
     """
@@ -201,8 +210,8 @@ class TargetRunner:
             self._kv = StaticKVCache(int(cfg.num_hidden_layers), self.max_len + slack)
             self._neg = torch.finfo(self.dtype if self.dtype.is_floating_point else torch.float32).min
         self._compiled = None
-        if compile and self.static_shapes and self.device.type == "cuda":
-            self._compiled = torch.compile(self._raw_forward, mode="reduce-overhead", dynamic=False)
+        if compile and self.static_shapes:
+            self._compiled = compile_static(self._raw_forward, self.device)
         self.reset()
 
     # ------------------------------------------------------------------------------------------ state
