@@ -126,7 +126,7 @@ def _identical(a_outs, b_outs) -> bool:
 def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=("ar", "draft_model", "pld",
           "eagle3", "eagle3_tree"), max_new_tokens=128, warmup=1, runs=3, num_draft_tokens=4, pld_num_tokens=10,
           pld_max_ngram=3, pld_tree_branches=4, pld_tree_nodes=32, tree=None, cache="auto", static_shapes=False,
-          compile=False,
+          compile=False, buckets=(1, 2, 4, 8, 16, 32, 64),
           hf_num_assistant_tokens=None, log=print) -> dict:
     """Run the benchmark; returns ``{"rows": [...], ...}`` (see the module docstring)."""
     from transformers.utils import logging as hf_logging
@@ -143,7 +143,8 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
     tree_cfg = dict(depth=6, top_k=8, total_tokens=48) if tree is None else dict(tree)
     max_len = max(len(p) for p in prompts) + max_new_tokens + max(num_draft_tokens, pld_num_tokens,
                                                                     tree_cfg["total_tokens"]) + 8
-    rkw = dict(max_len=max_len, cache=cache, static_shapes=static_shapes, compile=compile, timing=False)
+    rkw = dict(max_len=max_len, cache=cache, static_shapes=static_shapes, compile=compile, buckets=tuple(buckets),
+               timing=False)
     taps = tuple(drafter.config.tap_layers) if drafter is not None else None
 
     def ours(label, proposer, K, taps=None):
@@ -162,7 +163,8 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
             if hf_num_assistant_tokens:
                 draft_model.generation_config.num_assistant_tokens = int(hf_num_assistant_tokens)
                 draft_model.generation_config.num_assistant_tokens_schedule = "constant"
-            prop = DraftModelProposer(draft_model, max_len=max_len, static_shapes=static_shapes, compile=compile)
+            prop = DraftModelProposer(draft_model, max_len=max_len, static_shapes=static_shapes, compile=compile,
+                                      buckets=tuple(buckets))
             pairs.append(("draft_model", ours("draft_model", prop, num_draft_tokens),
                           _HF("generate(assistant_model=...)", model, eos, pad, max_new_tokens, **kw),
                           f"K={num_draft_tokens}"))
@@ -241,7 +243,8 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
     return {"rows": rows, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "runs": runs,
             "warmup": warmup, "new_tokens_per_pass": sum(len(t) for t in outs[id(hf_ar)]) if id(hf_ar) in outs else None,
             "device": str(next(model.parameters()).device), "threads": torch.get_num_threads(),
-            "cache": cache, "static_shapes": static_shapes, "compile": compile}
+            "cache": cache, "static_shapes": static_shapes, "compile": compile,
+            "buckets": list(buckets) if static_shapes else None}
 
 
 def format_table(result: dict) -> str:
@@ -311,7 +314,7 @@ def run_bench(cfg) -> dict:
                 pld_max_ngram=job.pld_max_ngram, pld_tree_branches=job.pld_tree_branches,
                 pld_tree_nodes=job.pld_tree_nodes,
                 tree=dict(depth=job.tree.depth, top_k=job.tree.top_k, total_tokens=job.tree.total_tokens),
-                cache=job.cache, static_shapes=job.static_shapes, compile=job.compile,
+                cache=job.cache, static_shapes=job.static_shapes, compile=job.compile, buckets=job.buckets,
                 hf_num_assistant_tokens=job.hf_num_assistant_tokens)
     res.update(target=tname, drafter=job.drafter, draft_model=dm_path, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
     table = format_table(res)

@@ -196,6 +196,7 @@ class DecodeConfig:
     # target KV cache: auto (static preallocated where the model allows, else HF DynamicCache) | static | dynamic
     cache: str = "auto"
     static_shapes: bool = False  # pad verify forwards to fixed sizes (what CUDA graphs need)
+    buckets: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # static_shapes: padded sizes
     # with static_shapes: torch.compile the verify forward and the EAGLE-3 / draft-model draft steps (CUDA:
     # mode="reduce-overhead", i.e. CUDA graphs; CPU: inductor); compiles once per shape at warm-up
     compile: bool = False
@@ -310,6 +311,7 @@ class BenchJob:
     tree: TreeConfig = field(default_factory=TreeConfig)  # eagle3_tree: depth, top_k, total_tokens
     cache: str = "auto"  # our target KV cache: auto | static | dynamic
     static_shapes: bool = False  # our CUDA-graph path (padded verify, static draft steps)
+    buckets: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # static_shapes: padded sizes
     compile: bool = False  # with static_shapes: torch.compile (CUDA graphs on CUDA, inductor on CPU)
     threads: int = 0  # torch.set_num_threads for the run (0: leave as is)
 

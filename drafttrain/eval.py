@@ -38,9 +38,12 @@ def medusa_choices_for(drafter, decode):
     return [c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= drafter.num_heads]
 
 
-def _static_kw(decode) -> dict:
-    return dict(static_shapes=bool(getattr(decode, "static_shapes", False)),
-                compile=bool(getattr(decode, "compile", False)))
+def _static_kw(decode, buckets: bool = False) -> dict:
+    kw = dict(static_shapes=bool(getattr(decode, "static_shapes", False)),
+              compile=bool(getattr(decode, "compile", False)))
+    if buckets:
+        kw["buckets"] = tuple(getattr(decode, "buckets", None) or (1, 2, 4, 8, 16, 32, 64))
+    return kw
 
 
 def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, device="cpu"):
@@ -82,13 +85,13 @@ def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, d
         return OracleProposer([])
     if method == "draft_model":
         if drafter is not None:  # a distilled draft (recipe=distill), already loaded
-            return DraftModelProposer(drafter, max_len=max_len, **_static_kw(decode))
+            return DraftModelProposer(drafter, max_len=max_len, **_static_kw(decode, buckets=True))
         if not decode.draft_model:
             raise DraftTrainError("decode.method=draft_model needs decode.draft_model=<dir of a causal LM>")
         from transformers import AutoModelForCausalLM
 
         dm = AutoModelForCausalLM.from_pretrained(decode.draft_model).eval().to(device)
-        return DraftModelProposer(dm, max_len=max_len, **_static_kw(decode))
+        return DraftModelProposer(dm, max_len=max_len, **_static_kw(decode, buckets=True))
     raise DraftTrainError(f"decode.method={method}: expected one of ar, eagle3, medusa, pld, oracle, draft_model")
 
 
@@ -236,7 +239,7 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
     max_len = max(len(p) for p in prompts) + decode.max_new_tokens + extra_positions(decode)
     eos = [t for t in {tokenizer.eos_token_id, *(_gen_eos(model))} if t is not None]
     kw = dict(temperature=decode.temperature, top_k=decode.top_k, top_p=decode.top_p)
-    rkw = dict(max_len=max_len, cache=decode.cache, static_shapes=decode.static_shapes, compile=decode.compile)
+    rkw = dict(max_len=max_len, cache=decode.cache, **_static_kw(decode, buckets=True))
     try:
         ar_runner = TargetRunner(model, taps=None, **rkw)
         sp_runner = TargetRunner(model, taps=taps, **rkw)

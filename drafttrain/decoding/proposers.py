@@ -255,7 +255,7 @@ class DraftModelProposer:
         vocab_size: the target's logits width if it differs from the draft's (draft logits are padded
             with -inf or truncated to it before processing, so q lives in the target vocabulary).
         max_len: draft cache capacity (default: the draft's ``max_position_embeddings``).
-        static_shapes, compile: the draft model's runner options (see ``TargetRunner``).
+        static_shapes, compile, buckets: the draft model's runner options (see ``TargetRunner``).
     """
 
     name = "draft_model"
@@ -263,9 +263,9 @@ class DraftModelProposer:
     grammar_aware = True
 
     def __init__(self, draft_model, vocab_size: int | None = None, max_len: int | None = None,
-                 static_shapes: bool = False, compile: bool = False):
+                 static_shapes: bool = False, compile: bool = False, buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64)):
         self.runner = TargetRunner(draft_model, taps=None, max_len=max_len, static_shapes=static_shapes,
-                                   compile=compile)
+                                   compile=compile, buckets=buckets)
         self.vocab_size = int(vocab_size) if vocab_size is not None else self.runner.vocab_size
         self.reset()
 
