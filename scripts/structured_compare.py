@@ -10,6 +10,10 @@ markers of an existing file, else a new file) and the raw numbers to ``--json``.
     DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/structured_compare.py \\
         --eagle3 runs/s7-eagle3/final --medusa runs/s7-medusa/final --out bench/structured.md
 
+Structured training data for a drafter (the target's own constrained answers on the ``draft`` split, which
+the eval split never overlaps) is written with ``--write-train-data rows.jsonl --train-rows N`` (and nothing
+else is run); mix it with chat data and train with ``data=jsonl data.path=…``.
+
 Methods without a drafter (pld, oracle) always run; eagle3 / medusa (chain and tree) and draft_model run when
 given. Speedups are measured against the AR run of the same mode, one after the other on the same machine.
 """
@@ -35,6 +39,8 @@ from drafttrain.structured import builtin_structured_examples, grammar_plan  # n
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--eagle3", help="a saved EAGLE-3 drafter directory (runs/<run>/final)")
+    ap.add_argument("--eagle3-extra", action="append", default=[], metavar="LABEL=DIR",
+                    help="another EAGLE-3 drafter, shown as 'eagle3 (LABEL)' (repeatable)")
     ap.add_argument("--medusa", help="a saved Medusa drafter directory")
     ap.add_argument("--draft-model", help="a causal-LM directory sharing the target's tokenizer "
                                           "(e.g. a distilled draft, recipe=distill)")
@@ -49,6 +55,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "bench" / "structured.md"))
     ap.add_argument("--json", default=str(REPO / "runs" / "structured_compare.json"))
+    ap.add_argument("--write-train-data", help="write structured training rows (draft split) here and exit")
+    ap.add_argument("--train-rows", type=int, default=128)
     return ap.parse_args(argv)
 
 
@@ -57,13 +65,15 @@ def load(args):
 
     model, tok, path = load_target(TargetConfig())
     L = num_layers(model)
-    methods = [("pld", None), ("oracle", None)]  # (name, kind); drafters are loaded below
+    methods = [("pld", None, "pld"), ("oracle", None, "oracle")]  # (method, kind, drafter key / label)
     drafters = {}
-    if args.eagle3:
+    eagle3 = ([("eagle3", args.eagle3)] if args.eagle3 else []) + [
+        (f"eagle3 ({x.partition('=')[0]})", x.partition("=")[2]) for x in args.eagle3_extra]
+    for key, path in eagle3:
         from drafttrain.eval import load_drafter
 
-        drafters["eagle3"] = load_drafter(args.eagle3, "cpu").eval()
-        methods += [("eagle3", "chain"), ("eagle3", "tree")]
+        drafters[key] = load_drafter(path, "cpu").eval()
+        methods += [("eagle3", "chain", key), ("eagle3", "tree", key)]
     if args.medusa:
         from drafttrain.training.medusa import load_medusa
 
@@ -71,23 +81,23 @@ def load(args):
         if info["target_modified"]:
             raise SystemExit("--medusa: a Medusa-2 drafter changes the target; compare Medusa-1 heads here")
         drafters["medusa"] = heads
-        methods += [("medusa", "chain"), ("medusa", "tree")]
+        methods += [("medusa", "chain", "medusa"), ("medusa", "tree", "medusa")]
     if args.draft_model:
         from transformers import AutoModelForCausalLM
 
         drafters["draft_model"] = AutoModelForCausalLM.from_pretrained(args.draft_model).eval()
-        methods += [("draft_model", "chain")]
+        methods += [("draft_model", "chain", "draft_model")]
     return model, tok, target_id(path), L, drafters, methods
 
 
-def make(name, kind, drafters, args, max_len, L, V):
-    """(proposer, K, target taps) of a method."""
+def make(name, kind, key, drafters, args, max_len, L, V):
+    """(proposer, K, target taps) of a method (``key``: its drafter in ``drafters``)."""
     from drafttrain.eval import make_proposer
 
     tree = TreeConfig(enabled=kind == "tree", depth=args.tree_depth, top_k=args.tree_top_k,
                       total_tokens=args.tree_nodes)
     decode = DecodeConfig(method=name, num_draft_tokens=args.num_draft_tokens, tree=tree)
-    prop = make_proposer(name, drafter=drafters.get(name), decode=decode, max_len=max_len)
+    prop = make_proposer(name, drafter=drafters.get(key), decode=decode, max_len=max_len)
     if name == "pld":
         prop.num_tokens = args.num_draft_tokens
     if hasattr(prop, "agree_fn"):
@@ -95,7 +105,7 @@ def make(name, kind, drafters, args, max_len, L, V):
     K = int(getattr(prop, "depth", None) or tree.depth) if getattr(prop, "tree", False) else args.num_draft_tokens
     if name == "medusa":
         K = min(K, drafters["medusa"].num_heads)
-    taps = tuple(drafters["eagle3"].config.tap_layers) if name == "eagle3" else (L,) if name == "medusa" else None
+    taps = tuple(drafters[key].config.tap_layers) if name == "eagle3" else (L,) if name == "medusa" else None
     return prop, K, taps
 
 
@@ -116,8 +126,8 @@ def run_mode(model, tok, prompts, compiled, methods, drafters, args, L, eos, pla
              "valid_fraction": plan.validate(tok, [r.tokens for r in ar_res], eos)["valid_fraction"],
              "frac_grammar": A["frac_grammar"]}]
     print(f"  ar: {A['num_new_tokens']} tokens, {A['tokens_per_s']:.1f} tok/s", flush=True)
-    for name, kind in methods:
-        prop, K, taps = make(name, kind, drafters, args, max_len, L, V)
+    for name, kind, key in methods:
+        prop, K, taps = make(name, kind, key, drafters, args, max_len, L, V)
         dec = SpecDecoder(TargetRunner(model, taps=taps, max_len=max_len), prop, K)
         res = []
         for i, p in enumerate(prompts):
@@ -126,7 +136,7 @@ def run_mode(model, tok, prompts, compiled, methods, drafters, args, L, eos, pla
             res.append(dec.generate(p, args.max_new_tokens, eos, grammar=state(i)))
         S = aggregate(res)
         shape = (f"tree d{K}, {S['nodes_per_round']:.1f} nodes" if getattr(prop, "tree", False) else f"chain K={K}")
-        row = {"method": name if name in ("pld", "oracle") else f"{name} {kind}", "shape": shape, "tau": S["tau"],
+        row = {"method": key if name in ("pld", "oracle") else f"{key} {kind}", "shape": shape, "tau": S["tau"],
                "alpha": S["alpha"], "tokens_per_s": S["tokens_per_s"],
                "speedup": S["tokens_per_s"] / A["tokens_per_s"], "new_tokens": S["num_new_tokens"],
                "match_ar": all(r.tokens == a.tokens for r, a in zip(res, ar_res)),
@@ -176,6 +186,16 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
+    if args.write_train_data:
+        from drafttrain.structured import answer_with_target, write_structured_jsonl
+        from drafttrain.targets.load import load_target
+
+        model, tok, _ = load_target(TargetConfig())
+        ex = builtin_structured_examples("draft", args.train_rows, args.seed, max_string_length=args.max_string_length)
+        rows = answer_with_target(model, tok, ex, max_new_tokens=args.max_new_tokens)
+        write_structured_jsonl(args.write_train_data, rows)
+        print(f"[structured_compare] {len(rows)}/{len(ex)} rows -> {args.write_train_data} ({time.time() - t0:.0f} s)")
+        return 0
     model, tok, tname, L, drafters, methods = load(args)
     eos = sorted({tok.eos_token_id, *([model.generation_config.eos_token_id] if isinstance(
         model.generation_config.eos_token_id, int) else (model.generation_config.eos_token_id or []))})
@@ -186,7 +206,8 @@ def main(argv=None):
     result = {"target": tname, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "max_string_length": args.max_string_length, "num_draft_tokens": args.num_draft_tokens,
               "tree": {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_nodes},
-              "drafters": {"eagle3": args.eagle3, "medusa": args.medusa, "draft_model": args.draft_model},
+              "drafters": {"eagle3": args.eagle3, "eagle3_extra": args.eagle3_extra, "medusa": args.medusa,
+                           "draft_model": args.draft_model},
               "threads": args.threads, "command": "python scripts/structured_compare.py " + " ".join(
                   sys.argv[1:] if argv is None else argv), "modes": {}}
     for mode, grammar in (("none", "none"), ("schema", None)):

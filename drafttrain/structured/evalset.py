@@ -366,8 +366,9 @@ def answer_with_target(model, tokenizer, examples: Sequence[StructuredExample], 
         if not state.is_terminated():
             continue
         text = decode_output(tokenizer, res.tokens, stops)
+        rid = None if e.id is None else f"structured:{e.id}"  # distinct from chat rows of the same source
         out.append(StructuredExample([*e.prompt_messages, {"role": "assistant", "content": text}], e.schema,
-                                     id=e.id, where=e.where, meta=dict(e.meta)))
+                                     id=rid, where=e.where, meta=dict(e.meta)))
     return out
 
 
