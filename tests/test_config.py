@@ -15,8 +15,10 @@ from drafttrain.cli import CONF_DIR, expand_shorthands
 from .conftest import REPO
 
 PRIMARY = {"train": C.TrainJob, "eval": C.EvalJob, "build_target": C.BuildTargetJob,
-           "regenerate": C.RegenerateJob, "bench": C.BenchJob, "tune": C.TuneJob}
-REQUIRED = {"regenerate": ["input=a.jsonl", "output=b.jsonl"]}
+           "regenerate": C.RegenerateJob, "bench": C.BenchJob, "tune": C.TuneJob, "capture": C.CaptureJob,
+           "export": C.ExportJob}
+REQUIRED = {"regenerate": ["input=a.jsonl", "output=b.jsonl"], "capture": ["capture.path=feats"],
+            "export": ["drafter=runs/r/final", "format=vllm", "out=exported"]}
 GROUP_REQUIRED = {("target", "hf"): ["target.name_or_path=some/dir"], ("data", "jsonl"): ["data.path=x.jsonl"]}
 
 
@@ -93,3 +95,26 @@ def test_cli_bad_override_is_one_line_exit_2(override, needle, tmp_path):
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
     assert not (tmp_path / "r").exists()  # nothing was started
+
+
+def test_every_primary_config_is_covered():
+    assert {p.stem for p in CONF_DIR.glob("*.yaml")} == set(PRIMARY)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["capture.mode=offline", "capture.path=feats", "capture.verify=full", "train.eval_checkpoints=true"],
+    ["capture.dtype=float32", "capture.batch_size=2", "capture.shard_mb=0.5"],
+])
+def test_capture_keys_compose_in_train(overrides):
+    obj = OmegaConf.to_object(_compose("train", overrides))
+    assert isinstance(obj.capture, C.CaptureConfig)
+
+
+def test_capture_and_export_require_their_paths():
+    from drafttrain.capture.capture import run_capture_job
+    from drafttrain.io import DraftTrainError
+
+    with pytest.raises(Exception, match="drafter"):
+        OmegaConf.to_object(_compose("export", []))
+    with pytest.raises(DraftTrainError, match="capture.path is required"):
+        run_capture_job(_compose("capture", []))
