@@ -152,11 +152,52 @@ def main(argv=None) -> int:
         if name in results and results[name]["recipe"]:
             sampled[name] = eval_only(name, "t1", ["decode.temperature=1.0"])
 
-    write_table(results, args, Path(args.out), sampled, trees)
+    drift = None
+    if "medusa2" in results:
+        drift = medusa2_drift(runs / "medusa2" / "final", args.num_prompts, args.max_new_tokens, args.threads)
+    write_table(results, args, Path(args.out), sampled, trees, drift)
     png = Path(args.png) if args.png else Path(args.out).with_suffix(".png")
     plot(results, png)
     print(f"[compare] wrote {args.out} and {png}", flush=True)
     return 0
+
+
+def medusa2_drift(final: Path, num_prompts: int, max_new_tokens: int, threads: int) -> dict:
+    """Medusa-2 changes the target: greedy outputs of the original target vs the adapted (merged) one on the
+    held-out prompts (HF ``generate``): how many are identical, and the mean length of the common prefix."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from drafttrain.data.builtin import builtin_conversations
+    from drafttrain.eval import eval_prompt_ids
+    from drafttrain.io import read_json
+    from drafttrain.training.medusa import load_medusa
+
+    torch.set_num_threads(threads)
+    target = read_json(final / "config.json")["target_name_or_path"]
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = eval_prompt_ids(tok, builtin_conversations("eval", num_prompts, 0), num_prompts)
+
+    def outputs(model):
+        res = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            res.append(out[0, len(p):].tolist())
+        return res
+
+    base = outputs(AutoModelForCausalLM.from_pretrained(target).eval())
+    adapted_model, _, _ = load_medusa(final, AutoModelForCausalLM.from_pretrained(target).eval())
+    adapted = outputs(adapted_model)
+    prefix = []
+    for a, b in zip(base, adapted):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        prefix.append(n)
+    return {"identical": sum(a == b for a, b in zip(base, adapted)), "prompts": len(prompts),
+            "mean_common_prefix": sum(prefix) / len(prefix), "mean_len": sum(map(len, base)) / len(base)}
 
 
 def _tail_mean(history: list[dict], n: int = 10) -> dict:
@@ -170,7 +211,8 @@ def _f(x, spec=".2f"):
     return "–" if x is None else format(x, spec)
 
 
-def write_table(results: dict, args, out: Path, sampled: dict | None = None, trees: dict | None = None) -> None:
+def write_table(results: dict, args, out: Path, sampled: dict | None = None, trees: dict | None = None,
+                drift: dict | None = None) -> None:
     from drafttrain.io import write_text
 
     K = args.num_draft_tokens
@@ -184,8 +226,8 @@ def write_table(results: dict, args, out: Path, sampled: dict | None = None, tre
         f"(max length {args.max_length}); learning rate = each recipe's.",
         "",
         "| method | drafter | saved params | train s | τ | α | " + " | ".join(f"α@{i + 1}" for i in range(K))
-        + " | tok/s spec / AR | speedup | greedy = AR | target modified |",
-        "|---|---|---:|---:|---:|---:|" + "---:|" * K + "---:|---:|:-:|:-:|",
+        + " | tok/s spec / AR | speedup | draft time | greedy = AR | target modified |",
+        "|---|---|---:|---:|---:|---:|" + "---:|" * K + "---:|---:|---:|:-:|:-:|",
     ]
     for name, res in results.items():
         r = res["report"]
@@ -196,6 +238,7 @@ def write_table(results: dict, args, out: Path, sampled: dict | None = None, tre
             f"{_f(res['train_seconds'], '.0f')} | {_f(r['tau'])} | {_f(r['alpha'])} | "
             + " | ".join(_f(a) for a in app[:K])
             + f" | {_f(r['tokens_per_s'], '.0f')} / {_f(r['baseline_tokens_per_s'], '.0f')} | {_f(r['speedup'])}x | "
+            f"{_f(r.get('frac_draft'), '.0%')} | "
             f"{'yes' if r.get('outputs_match_baseline') else 'NO'} | {'yes' if r.get('target_modified') else 'no'} |"
         )
     for name, r in (trees or {}).items():
@@ -204,8 +247,13 @@ def write_table(results: dict, args, out: Path, sampled: dict | None = None, tre
                      f"accuracy; α@i = acceptance at depth i | | | {_f(r['tau'])} | {_f(r['alpha'])} | "
                      + " | ".join(_f(a) for a in (list(r.get("acceptance_per_position") or []) + [None] * K)[:K])
                      + f" | {_f(r['tokens_per_s'], '.0f')} / {_f(r['baseline_tokens_per_s'], '.0f')} | "
-                     f"{_f(r['speedup'])}x | {'yes' if r.get('outputs_match_baseline') else 'NO'} | "
+                     f"{_f(r['speedup'])}x | {_f(r.get('frac_draft'), '.0%')} | "
+                     f"{'yes' if r.get('outputs_match_baseline') else 'NO'} | "
                      f"{'yes' if r.get('target_modified') else 'no'} |")
+    if drift:
+        lines += ["", f"Medusa-2 changed the target: the adapted target's greedy output equals the original target's "
+                  f"on {drift['identical']}/{drift['prompts']} prompts (mean common prefix {drift['mean_common_prefix']:.1f}"
+                  f" of {drift['mean_len']:.1f} tokens); its row is measured against the adapted target's AR."]
     if sampled:
         lines += ["", "Sampling (temperature 1, lossless rejection sampling; same drafters, prompts and K):", "",
                   "| method | τ | α | " + " | ".join(f"α@{i + 1}" for i in range(K)) + " | speedup |",
@@ -246,7 +294,15 @@ def write_table(results: dict, args, out: Path, sampled: dict | None = None, tre
     for name in sampled or {}:
         lines.append(f"# {name} at T=1: drafttrain eval drafter=runs/compare/{name}/final decode.temperature=1.0")
     lines.append("```")
-    write_text(out, "\n".join(lines) + "\n")
+    text = "\n".join(lines) + "\n"
+    # keep hand-written analysis around the generated block (between the markers) when rerun
+    begin, end = "<!-- compare.py: begin generated -->\n", "<!-- compare.py: end generated -->\n"
+    old = out.read_text() if out.exists() else ""
+    if begin in old and end in old:
+        text = old[: old.index(begin) + len(begin)] + text + old[old.index(end):]
+    else:
+        text = begin + text + end
+    write_text(out, text)
 
 
 def plot(results: dict, path: Path) -> None:
