@@ -127,7 +127,7 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
           "eagle3", "eagle3_tree"), max_new_tokens=128, warmup=1, runs=3, num_draft_tokens=4, pld_num_tokens=10,
           pld_max_ngram=3, pld_tree_branches=4, pld_tree_nodes=32, tree=None, cache="auto", static_shapes=False,
           compile=False, buckets=(1, 2, 4, 8, 16, 32, 64),
-          hf_num_assistant_tokens=None, log=print) -> dict:
+          hf_num_assistant_tokens=None, eagle3_num_draft_tokens=None, log=print) -> dict:
     """Run the benchmark; returns ``{"rows": [...], ...}`` (see the module docstring)."""
     from transformers.utils import logging as hf_logging
 
@@ -147,8 +147,12 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
                timing=False)
     taps = tuple(drafter.config.tap_layers) if drafter is not None else None
 
+    runners: dict = {}  # one runner per tap set, shared by the methods (each generate() resets it)
+
     def ours(label, proposer, K, taps=None):
-        return _Ours(label, SpecDecoder(TargetRunner(model, taps=taps, **rkw), proposer, K), eos, max_new_tokens)
+        if taps not in runners:
+            runners[taps] = TargetRunner(model, taps=taps, **rkw)
+        return _Ours(label, SpecDecoder(runners[taps], proposer, K), eos, max_new_tokens)
 
     hf_ar = _HF("generate()", model, eos, pad, max_new_tokens)
     pairs = []  # (method, ours, hf, label details)
@@ -189,7 +193,8 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
                 continue
             if m == "eagle3":
                 prop = Eagle3ChainProposer(drafter, max_len=max_len, static_shapes=static_shapes, compile=compile)
-                pairs.append(("eagle3 chain", ours(m, prop, num_draft_tokens, taps), hf_ar, f"K={num_draft_tokens}"))
+                ke = int(eagle3_num_draft_tokens or num_draft_tokens)
+                pairs.append(("eagle3 chain", ours(m, prop, ke, taps), hf_ar, f"K={ke}"))
             else:
                 prop = Eagle3TreeProposer(drafter, max_len=max_len, static_shapes=static_shapes, compile=compile,
                                           **tree_cfg)
@@ -315,7 +320,7 @@ def run_bench(cfg) -> dict:
                 pld_tree_nodes=job.pld_tree_nodes,
                 tree=dict(depth=job.tree.depth, top_k=job.tree.top_k, total_tokens=job.tree.total_tokens),
                 cache=job.cache, static_shapes=job.static_shapes, compile=job.compile, buckets=job.buckets,
-                hf_num_assistant_tokens=job.hf_num_assistant_tokens)
+                hf_num_assistant_tokens=job.hf_num_assistant_tokens, eagle3_num_draft_tokens=job.eagle3_num_draft_tokens)
     res.update(target=tname, drafter=job.drafter, draft_model=dm_path, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
     table = format_table(res)
     print("\n" + table + "\n", flush=True)
@@ -341,7 +346,11 @@ def tune(model, tokenizer, prompts, proposer, decode, *, taps=None, method: str,
     is_tree = bool(getattr(proposer, "tree", False))
     biggest = max(max_draft_tokens, max(tree_sizes) if is_tree else 0)
     max_len = max(len(p) for p in prompts) + max_new_tokens + biggest + 8
-    runner = TargetRunner(model, taps=taps, max_len=max_len, cache=decode.cache)
+    from .eval import _static_kw
+
+    # the runner the decoder will use (same cache, static shapes and compilation), so costs are the real ones
+    runner = TargetRunner(model, taps=taps, max_len=max_len, cache=decode.cache, timing=False,
+                          **_static_kw(decode, buckets=True))
     context = prompts[0]
     sizes = sorted({n for n in range(1, max_draft_tokens + 2)} | ({s + 1 for s in tree_sizes} if is_tree else set()))
     verify = measure_verify_cost(runner, context, sizes, repeats=repeats, tree=is_tree)
@@ -351,6 +360,7 @@ def tune(model, tokenizer, prompts, proposer, decode, *, taps=None, method: str,
     def decode_all(dec):
         if hasattr(proposer, "set_reference"):
             raise DraftTrainError("tune: the oracle needs references; tune a real drafter or pld")
+        dec.generate(prompts[0], max_new_tokens, eos)  # warm-up (compilation, allocation): not timed
         return aggregate([dec.generate(p, max_new_tokens, eos) for p in prompts])
 
     ar = decode_all(SpecDecoder(runner, _no_draft(), 0))

@@ -302,7 +302,8 @@ class BenchJob:
     max_new_tokens: int = 128
     warmup: int = 1  # untimed passes over the first prompt, per method
     runs: int = 3  # timed passes over all prompts; the table reports medians
-    num_draft_tokens: int = 4  # ours: K of draft_model and the eagle3 chain
+    num_draft_tokens: int = 4  # ours: K of draft_model (and of the eagle3 chain unless set below)
+    eagle3_num_draft_tokens: Optional[int] = None  # ours: K of the eagle3 chain (None: num_draft_tokens)
     pld_num_tokens: int = 10  # prompt lookup: drafts per round, ours and HF (prompt_lookup_num_tokens)
     pld_max_ngram: int = 3  # prompt lookup: longest n-gram matched, ours and HF (max_matching_ngram_size)
     pld_tree_branches: int = 4  # pld_tree: continuations of up to this many matches, merged into one tree

@@ -41,6 +41,10 @@ def compile_static(fn, device: torch.device):
     """``torch.compile`` for a function whose shapes never change: CUDA graphs on CUDA
     (``mode="reduce-overhead"``); on CPU the default inductor mode (fused C++ kernels, far less Python
     overhead per forward). One compilation per input shape (per bucket), paid at warm-up."""
+    import torch._dynamo
+
+    # one graph per (runner, bucket): allow more than dynamo's default of 8 before it falls back to eager
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     if device.type == "cuda":
         return torch.compile(fn, mode="reduce-overhead", dynamic=False)
     return torch.compile(fn, dynamic=False)
