@@ -18,6 +18,7 @@ saved AdamW state into a DeepSpeed optimizer after ``accelerator.prepare``.
 """
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from pathlib import Path
@@ -201,7 +202,10 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
     if keep <= 0:
         return
     for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        # rename first (atomic), so a crash mid-delete never leaves a partial checkpoint under a final name
+        doomed = old.with_name(f".{old.name}.deleting")
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
