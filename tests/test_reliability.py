@@ -199,3 +199,14 @@ def test_checkpoint_optimizer_state_loads_with_weights_only(tmp_path):
     state = torch.load(tmp_path / "c" / "optimizer.pt", weights_only=True)
     assert "state" in state and "param_groups" in state
     assert Path(tmp_path / "c" / "state.json").exists()
+
+
+def test_eval_refuses_a_drafter_trained_for_another_target(tmp_path, tiny_builtin_target):
+    fake = tmp_path / "drafter"
+    fake.mkdir()
+    write_json(fake / "config.json", {"drafter_type": "eagle3", "target_name_or_path": "/models/another-target"})
+    r = subprocess.run([sys.executable, "-m", "drafttrain.cli", "eval", f"drafter={fake}",
+                        f"target={tiny_builtin_target}", f"hydra.run.dir={tmp_path / 'ev'}"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=dict(os.environ))
+    line = _one_error_line(r)
+    assert "/models/another-target" in line and "was trained for target" in line

@@ -94,6 +94,9 @@ def test_two_processes_match_one(trained_run, tmp_path):
          launcher=[sys.executable, "-m", "accelerate.commands.launch"])
     h1 = json.loads((trained_run / "train_metrics.json").read_text())["history"]
     h2 = json.loads((run2 / "train_metrics.json").read_text())["history"]
+    from drafttrain.training import checkpoint
+
+    assert checkpoint.read_checkpoint_meta(checkpoint.list_checkpoints(run2)[-1])["world_size"] == 2
     assert len(h1) == len(h2) == 6
     for a, b in zip(h1, h2):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-4)
