@@ -342,6 +342,9 @@ class DraftModelProposer:
         self._rollback(tokens)
 
 
+_EXTEND_PAD = 16  # static shapes: rebuilds of up to this many entries are padded (slack kept in the cache)
+
+
 @torch.no_grad()
 def eagle3_step_static(drafter, input_ids: Tensor, hidden: Tensor, cache_k: list[Tensor], cache_v: list[Tensor],
                        position_ids: Tensor, write_index: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -400,22 +403,24 @@ class Eagle3ChainProposer:
             self._step_static = compile_static(eagle3_step_static, self.device)
         self.reset()
 
-    def _draft_step(self, ids: Tensor, hidden: Tensor, pos: Tensor, attn_mask: Tensor | None = None):
-        """One drafting step of ``n`` new entries (``attn_mask [1, n, L + n]``; None = causal)."""
+    def _draft_step(self, ids: Tensor, hidden: Tensor, pos: Tensor, attn_mask: Tensor | None = None,
+                    n_real: int | None = None):
+        """One drafting step of ``n`` new entries (``attn_mask [1, n, L + n]``; None = causal). With static
+        shapes, rows past ``n_real`` are padding: written past the kept entries and never seen by real rows."""
         if not self.static_shapes:
             return self.drafter.step(ids, hidden, self.cache, position_ids=pos, attn_mask=attn_mask)
         L, n, cap = self.cache.length, ids.shape[1], self.cache.max_len
         if L + n > cap:
             raise ValueError(f"draft cache overflow: {L} + {n} > {cap}")
-        full = torch.zeros(1, n, cap, dtype=torch.bool, device=self.device)
-        if attn_mask is None:
-            full[0, :, :L] = True
-            full[0, :, L : L + n] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        slots = torch.arange(cap, device=self.device)
+        if attn_mask is None:  # causal: row r (slot L + r) sees slots <= L + r
+            full = (slots[None, :] <= (L + torch.arange(n, device=self.device))[:, None])[None]
         else:
+            full = torch.zeros(1, n, cap, dtype=torch.bool, device=self.device)
             full[:, :, : L + n] = attn_mask.to(self.device)
         write = torch.arange(L, L + n, device=self.device)
         out = self._step_static(self.drafter, ids, hidden, self.cache.k, self.cache.v, pos, write, full)
-        self.cache.length = L + n
+        self.cache.length = L + (n if n_real is None else int(n_real))
         return out
 
     def reset(self) -> None:
@@ -430,16 +435,30 @@ class Eagle3ChainProposer:
         hidden = self.drafter.fuse(taps.to(self.device, self.dtype).unsqueeze(0))  # [1, n, H]
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
         pos = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
-        logits, out_hidden = self.drafter.step(input_ids, hidden, self.cache, position_ids=pos)
-        self._next_logits = logits[0, -1]
-        self._next_hidden = out_hidden[:, -1:]
-        self._n = start + len(ids)
+        n = len(ids)
+        if self.static_shapes and n <= _EXTEND_PAD:
+            # a round's rebuild (a + 1 entries): padded to a power of two, one static shape per size
+            B = 1 << (n - 1).bit_length()
+            pad = B - n
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(1, pad)], dim=1)
+            hidden = torch.cat([hidden, hidden.new_zeros(1, pad, hidden.shape[-1])], dim=1)
+            pos = torch.cat([pos, pos.new_full((1, pad), start)], dim=1)
+            logits, out_hidden = self._draft_step(input_ids, hidden, pos, n_real=n)
+        else:  # the prompt: eager, any length
+            logits, out_hidden = self.drafter.step(input_ids, hidden, self.cache, position_ids=pos)
+        self._next_logits = logits[0, n - 1]
+        self._next_hidden = out_hidden[:, n - 1 : n]
+        self._n = start + n
 
     def prefill(self, prompt_ids, target_taps, first_token) -> None:
         if target_taps is None:
             raise ValueError("Eagle3ChainProposer needs target taps: build the TargetRunner with taps=")
         if getattr(self, "_buffer", None) is None:  # allocated once, reused for every sequence
-            self._buffer = self.drafter.new_cache(1, self.max_len, device=self.device, dtype=self.dtype)
+            self._buffer = self.drafter.new_cache(1, self.max_len + (_EXTEND_PAD if self.static_shapes else 0),
+                                                  device=self.device, dtype=self.dtype)
+            if self.static_shapes and hasattr(self._buffer, "k"):
+                for t in (*self._buffer.k, *self._buffer.v):  # updated in place inside CUDA graphs
+                    torch._dynamo.mark_static_address(t)
         self.cache = self._buffer
         if hasattr(self.cache, "k"):
             self.cache.truncate(0)

@@ -252,11 +252,13 @@ class TargetRunner:
         L = self._length
         rows = q_pos.shape[0]
         dev = q_pos.device
-        if tree is None and not window and rows == n and kv == L + n:  # plain causal chain: fewer ops
-            m = torch.zeros(n, kv, dtype=self.dtype, device=dev)
-            if n > 1:
-                m[:, L:].masked_fill_(self._upper(n, dev), self._neg)
-            return m[None, None]
+        if tree is None and not window:
+            # plain causal chain, padded or not: row r (slot L + r) sees slots <= L + r. Padding rows see
+            # their own padding slots too, which only affects their own (discarded) outputs.
+            if rows == 1 and kv == L + 1:
+                return torch.zeros(1, 1, 1, kv, dtype=self.dtype, device=dev)
+            allow = self._slots(kv, dev)[None, :] <= (L + self._slots(rows, dev))[:, None]
+            return torch.where(allow, 0.0, self._neg).to(self.dtype)[None, None]
         k_slot = torch.arange(kv, device=dev)
         allow = (k_slot[None, :] < L).expand(rows, kv).clone()  # the committed prefix
         if window:
@@ -278,11 +280,11 @@ class TargetRunner:
         m = torch.zeros(rows, kv, dtype=self.dtype, device=dev).masked_fill_(~allow, self._neg)
         return m[None, None]
 
-    def _upper(self, n: int, dev) -> Tensor:
-        """Cached strictly-upper-triangular bool ``[n, n]`` (the keys a causal row must not see)."""
-        cache = self.__dict__.setdefault("_upper_cache", {})
+    def _slots(self, n: int, dev) -> Tensor:
+        """``arange(n)`` on the device, cached (the capacity-sized one is used by every padded forward)."""
+        cache = self.__dict__.setdefault("_slots_cache", {})
         if n not in cache:
-            cache[n] = torch.ones(n, n, dtype=torch.bool, device=dev).triu(1)
+            cache[n] = torch.arange(n, device=dev)
         return cache[n]
 
     def _mask_arg(self, q_pos, tree, n, kv):
