@@ -210,3 +210,34 @@ def test_eval_refuses_a_drafter_trained_for_another_target(tmp_path, tiny_builti
                        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=dict(os.environ))
     line = _one_error_line(r)
     assert "/models/another-target" in line and "was trained for target" in line
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="known bug, open in issue 6: after SIGKILL mid-capture and a rerun, shards from index 1 on "
+                          "differ (sha256) from an uninterrupted capture; not yet diagnosed", strict=False)
+def test_kill_9_during_capture_then_rerun_equals_uninterrupted(tmp_path, tiny_builtin_target):
+    from drafttrain.capture.store import FeatureStore
+
+    args = [*TINY_BUILTIN_OVERRIDES, "data.num_train=48", "data.regen_max_new_tokens=48", "data.num_eval=3",
+            "data.max_length=160", "capture.dtype=float32", "capture.shard_mb=1"]
+
+    def capture(path, popen=False):
+        cmd = [sys.executable, "-m", "drafttrain.cli", "capture", *args, f"capture.path={path}"]
+        if popen:
+            return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    capture(tmp_path / "ref")
+    killed = tmp_path / "killed"
+    proc = capture(killed, popen=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not list(killed.glob("shard-*.safetensors")):
+        time.sleep(0.01)
+    assert proc.poll() is None, "capture finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    capture(killed)  # rerun: resumes, never reuses a partial shard
+    a, b = FeatureStore(tmp_path / "ref", verify="full"), FeatureStore(killed, verify="full")
+    assert [r["sha256"] for r in a.records] == [r["sha256"] for r in b.records]
+    assert sorted(p.name for p in killed.glob("shard-*")) == sorted(p.name for p in (tmp_path / "ref").glob("shard-*"))
