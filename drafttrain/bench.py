@@ -203,11 +203,12 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
         else:
             raise DraftTrainError(f"bench: unknown method {m!r} (ar, draft_model, pld, pld_tree, eagle3, eagle3_tree)")
 
-    # warm-up: first calls pay for allocation, lazy initialisation and kernel selection
+    # warm-up passes over all prompts: first calls pay for allocation, lazy initialisation, kernel selection
+    # and (compile=True) one compilation per shape, which must all happen before timing
     for _ in range(warmup):
         for _, o, h, _ in pairs:
-            o.run(prompts[:1])
-            h.run(prompts[:1])
+            o.run(prompts)
+            h.run(prompts)
     times = {id(x): [] for _, o, h, _ in pairs for x in (o, h)}
     taus = {id(x): [] for _, o, h, _ in pairs for x in (o, h)}
     outs = {}

@@ -300,7 +300,7 @@ class BenchJob:
                                                          "eagle3_tree"])
     num_prompts: int = 8  # held-out prompts from `data`
     max_new_tokens: int = 128
-    warmup: int = 1  # untimed passes over the first prompt, per method
+    warmup: int = 1  # untimed passes over all prompts, per method (compilation happens there)
     runs: int = 3  # timed passes over all prompts; the table reports medians
     num_draft_tokens: int = 4  # ours: K of draft_model (and of the eagle3 chain unless set below)
     eagle3_num_draft_tokens: Optional[int] = None  # ours: K of the eagle3 chain (None: num_draft_tokens)
