@@ -59,6 +59,7 @@ def test_bench_rows_and_identical_outputs(tiny):
         assert r["outputs_identical_to_hf"] and r["outputs_identical_to_ar"], r["method"]
         assert r["ours_tokens_per_s"] > 0 and r["hf_tokens_per_s"] > 0
         assert r["ratio_ours_hf"] == pytest.approx(r["ours_tokens_per_s"] / r["hf_tokens_per_s"])
+        assert r["ratio_paired_median"] == pytest.approx(r["ours_runs_tokens_per_s"][0] / r["hf_runs_tokens_per_s"][0])
         assert r["ours_tau"] >= 1.0
     assert rows["ar"]["ours_tau"] == 1.0 and rows["ar"]["hf_tau"] == pytest.approx(1.0)  # one forward per token
     assert rows["draft_model"]["hf"].startswith("generate(assistant_model")
