@@ -629,8 +629,12 @@ def test_cpu_compiled_verify_matches_eager(llama):
 def test_cuda_graph_path_matches_eager():
     import transformers as tf
 
+    from .test_decoding import make_drafter
+
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON)).eval().cuda()
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON)).eval()
+    drafter = make_drafter(model).cuda()
+    model.cuda()
     prompt = torch.randint(0, V, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
     ar = SpecDecoder(TargetRunner(model, max_len=256), NoDraft(), 0).generate(prompt, N_NEW).tokens
     runner = TargetRunner(model, max_len=256, static_shapes=True, compile=True, buckets=(1, 8, 16), timing=False)
@@ -640,10 +644,6 @@ def test_cuda_graph_path_matches_eager():
     res = SpecDecoder(runner, prop, 4).generate(prompt, N_NEW)
     assert res.tokens == ar
     # EAGLE-3 draft steps captured too (static shapes + reduce-overhead), chain and tree
-    from .test_decoding import make_drafter
-
-    drafter = make_drafter(model.cpu()).cuda()
-    model.cuda()
     runner = TargetRunner(model, taps=TAPS, max_len=256, static_shapes=True, compile=True, buckets=(1, 8, 16),
                           timing=False)
     for prop in (Eagle3ChainProposer(drafter, max_len=256, static_shapes=True, compile=True),
