@@ -107,9 +107,11 @@ def run_hydra(config_name: str, task: Callable, overrides: list[str]) -> None:
     import hydra
 
     from . import config  # noqa: F401  (registers the structured configs)
+    from .runtime import configure_cpu_threads
 
     overrides = expand_shorthands(overrides)
     check_overrides(config_name, [o for o in overrides if not o.startswith(("hydra.", "hydra/", "--"))])
+    configure_cpu_threads()
     sys.argv = [sys.argv[0]] + overrides
     main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(_report_errors(task))
     main()

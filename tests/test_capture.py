@@ -194,3 +194,68 @@ def test_offline_training_matches_online(tmp_path_factory, tiny_builtin_target):
     state = json.loads((off / "checkpoints" / "step_00000004" / "state.json").read_text())
     assert state["config"]["capture"]["mode"] == "offline" and state["world_size"] == 2
     assert_same_curve(history(ref), history(off))
+
+
+# ------------------------------------------------------------------ Medusa-1 and distillation from features
+def _online_vs_offline_loss(setup, fs, method, idx):
+    from drafttrain.data.chat import collate
+
+    model, tok, examples, _ = setup
+    torch.manual_seed(0)
+    drafter = method.build_drafter(model, examples, "t")
+    mb = collate([examples[i] for i in idx], tok.pad_token_id)
+    on = method.capture(model, mb)
+    off = method.capture_from_features(model, mb, fs.batch(idx, mb["input_ids"].shape[1], method.offline_features))
+    counts = method.count_valid(drafter, mb, on)
+    assert torch.equal(counts, method.count_valid(drafter, mb, off))
+    loss_on, _ = method.loss(drafter, drafter, mb, on, counts, 1.0)
+    loss_off, _ = method.loss(drafter, drafter, mb, off, counts, 1.0)
+    return on, off, mb, float(loss_on.detach()), float(loss_off.detach())
+
+
+def test_medusa_and_distill_train_from_stored_features(setup, tmp_path):
+    """Medusa-1 and distillation read the stored last hidden state (heads' input; teacher logits through the
+    target's lm_head): same capture and same loss as online."""
+    from drafttrain.config import DistillConfig, MedusaConfig
+    from drafttrain.training.distill import DistillMethod
+    from drafttrain.training.medusa import MedusaMethod
+
+    model, tok, examples, _ = setup
+    _capture(setup, tmp_path / "m", method="medusa", taps=None)
+    fs = FeatureStore(tmp_path / "m", verify="full")
+    idx = [5, 1, 9]
+
+    medusa = MedusaMethod(MedusaConfig(num_heads=2), tok, model)
+    on, off, mb, l_on, l_off = _online_vs_offline_loss(setup, fs, medusa, idx)
+    real = mb["attention_mask"].bool()
+    assert torch.allclose(off.hidden[real], on.hidden[real], atol=1e-5)
+    assert l_on > 0 and abs(l_on - l_off) <= 1e-5 * l_on
+
+    distill = DistillMethod(DistillConfig(), tok, model)
+    on, off, mb, l_on, l_off = _online_vs_offline_loss(setup, fs, distill, idx)
+    assert torch.allclose(off.teacher_logits[real], on.teacher_logits[real], atol=1e-4)
+    assert l_on > 0 and abs(l_on - l_off) <= 1e-4 * l_on
+
+
+def test_offline_refuses_medusa2_and_on_policy_distillation(setup, tmp_path):
+    from types import SimpleNamespace
+
+    from drafttrain.config import DistillConfig, MedusaConfig
+    from drafttrain.training.distill import DistillMethod
+    from drafttrain.training.loop import _check_offline
+    from drafttrain.training.medusa import MedusaMethod
+
+    model, tok, _, _ = setup
+    _capture(setup, tmp_path / "m", method="medusa", taps=None)
+    fs = FeatureStore(tmp_path / "m")
+    job = SimpleNamespace(capture=SimpleNamespace(path=str(tmp_path / "m")))
+    _check_offline(fs, MedusaMethod(MedusaConfig(), tok, model), SimpleNamespace(**job.__dict__, method="medusa"))
+    with pytest.raises(DraftTrainError, match="Medusa-2 trains adapters inside the target.*capture.mode=online"):
+        _check_offline(fs, MedusaMethod(MedusaConfig(), tok, model, joint=True),
+                       SimpleNamespace(**job.__dict__, method="medusa2"))
+    with pytest.raises(DraftTrainError, match="on_policy_ratio=0.5.*capture.mode=online"):
+        _check_offline(fs, DistillMethod(DistillConfig(on_policy_ratio=0.5), tok, model),
+                       SimpleNamespace(**job.__dict__, method="distill"))
+    eagle = setup[3]
+    with pytest.raises(DraftTrainError, match="lacks taps"):
+        _check_offline(fs, eagle, SimpleNamespace(**job.__dict__, method="eagle3", eagle3=None))

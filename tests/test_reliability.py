@@ -213,8 +213,6 @@ def test_eval_refuses_a_drafter_trained_for_another_target(tmp_path, tiny_builti
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="known bug, open in issue 6: after SIGKILL mid-capture and a rerun, shards from index 1 on "
-                          "differ (sha256) from an uninterrupted capture; not yet diagnosed", strict=False)
 def test_kill_9_during_capture_then_rerun_equals_uninterrupted(tmp_path, tiny_builtin_target):
     from drafttrain.capture.store import FeatureStore
 

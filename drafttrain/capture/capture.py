@@ -183,7 +183,7 @@ def run_capture(model, examples: list[dict], out_dir: str | Path, *, method: str
                mininterval=2.0)
     t0 = time.time()
     checked_head = False
-    meta = {"format": "pt", "drafttrain_capture": str(S.FORMAT_VERSION), "dtype": dtype}
+    meta = {"format_version": S.FORMAT_VERSION, "dtype": dtype}
     for k in mine:
         start, end = plan["shards"][k]
         if done[k] is not None:  # resumed: make sure the recorded shard is intact before trusting it

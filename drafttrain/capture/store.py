@@ -23,6 +23,7 @@ plus 5 bytes of ids and mask.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +118,9 @@ def write_shard(directory: Path, k: int, tensors: dict[str, torch.Tensor], meta:
     """Write shard k atomically, then its record (``rank``: the process that captured it); return the record."""
     from safetensors.torch import save
 
-    blob = save(tensors, metadata=meta)
+    # safetensors writes its metadata map in hash order, which changes from process to process; one key
+    # (a JSON string with sorted keys) makes the bytes, and so the sha256, a function of the content only
+    blob = save(tensors, metadata={"drafttrain_capture": json.dumps(meta, sort_keys=True)})
     digest = hashlib.sha256(blob).hexdigest()
     path = directory / shard_name(k)
     with atomic_path(path) as tmp:

@@ -196,6 +196,22 @@ class DistillMethod:
         out = target_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         return Capture(teacher_logits=out.logits.float())
 
+    # capture.mode=offline: teacher logits recomputed with the target's lm_head from the stored last hidden
+    # state (the lm_head input), as the online forward computes them. On-policy rows cannot be stored ahead.
+    offline_features = ("last_hidden",)
+
+    @property
+    def offline_unsupported(self) -> str | None:
+        if float(self.cfg.on_policy_ratio) > 0:
+            return (f"distill.on_policy_ratio={self.cfg.on_policy_ratio}: on-policy rows are sampled during "
+                    "training, so the target's features for them cannot be stored ahead")
+        return None
+
+    @torch.no_grad()
+    def capture_from_features(self, target_model, batch, feats: dict) -> Capture:
+        head = target_model.get_output_embeddings()
+        return Capture(teacher_logits=head(feats["last_hidden"].to(head.weight.dtype)).float())
+
     def count_valid(self, drafter, batch, cap) -> torch.Tensor:
         return next_token_mask(batch["attention_mask"], batch["loss_mask"]).sum().float().reshape(1)
 

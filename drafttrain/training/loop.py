@@ -453,9 +453,10 @@ def _offline_data(job, tname: str):
 
 def _check_offline(store, method, job) -> None:
     needs = getattr(method, "offline_features", None)
-    if needs is None or not hasattr(method, "capture_from_features"):
-        raise DraftTrainError(f"capture.mode=offline: method={job.method} cannot train from stored features "
-                              "(use capture.mode=online)")
+    why = getattr(method, "offline_unsupported", None)  # a reason, when this configuration of the method can't
+    if needs is None or why or not hasattr(method, "capture_from_features"):
+        raise DraftTrainError(f"capture.mode=offline: method={job.method} cannot train from stored features"
+                              f"{f' ({why})' if why else ''}; use capture.mode=online")
     missing = [n for n in needs if n not in store.features]
     if missing:
         raise DraftTrainError(f"capture.path={job.capture.path}: lacks {', '.join(missing)} needed by method="

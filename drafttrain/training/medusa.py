@@ -212,6 +212,20 @@ class MedusaMethod:
                              use_cache=False).logits
         return Capture(hidden=None, base_logits=base.float())
 
+    @property
+    def offline_features(self) -> tuple[str, ...] | None:
+        """capture.mode=offline: Medusa-1 reads the stored last hidden state (the lm_head input, which is what
+        ``final_hidden`` records online). Medusa-2 trains adapters inside the target: no stored features."""
+        return None if self.joint else ("last_hidden",)
+
+    @property
+    def offline_unsupported(self) -> str | None:
+        return "Medusa-2 trains adapters inside the target, so its hidden states change" if self.joint else None
+
+    @torch.no_grad()
+    def capture_from_features(self, target_model, batch, feats: dict) -> Capture:
+        return Capture(hidden=feats["last_hidden"], base_logits=None)
+
     def count_valid(self, drafter, batch, cap) -> torch.Tensor:
         am, lm = batch["attention_mask"], batch["loss_mask"]
         counts = [medusa_valid_mask(am, lm, k).sum() for k in range(self.K)]
