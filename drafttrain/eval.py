@@ -135,7 +135,8 @@ def print_table(report: dict) -> None:
         rows.append(("grammar | valid outputs spec / AR", f"{report.get('grammar') or 'none'} | "
                      f"{_fmt(report.get('valid_fraction'), '.0%')} / {_fmt(report.get('baseline_valid_fraction'), '.0%')}"))
     for s in report.get("sweep") or []:
-        rows.append((f"  sweep K={s['draft_tokens']}", f"tau {_fmt(s['tau'], '.2f')}, speedup {_fmt(s['speedup'], '.2f')}x"))
+        on = f" ({s['prompts']} prompts)" if s.get("prompts") else ""
+        rows.append((f"  sweep K={s['draft_tokens']}{on}", f"tau {_fmt(s['tau'], '.2f')}, speedup {_fmt(s['speedup'], '.2f')}x"))
     w = max(len(r[0]) for r in rows)
     print("\n".join(["", "=" * (w + 40)] + [f"{k.ljust(w)}  {v}" for k, v in rows] + ["=" * (w + 40)]), flush=True)
 
@@ -311,7 +312,7 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
             dec = SpecDecoder(sp_runner, proposer, k, seed=decode.seed, typical=typical,
                               typical_epsilon=decode.typical_epsilon, typical_delta=decode.typical_delta, **kw)
             agg = aggregate([run_spec(dec, i, p, refs[i]) for i, p in enumerate(prompts[:m])])
-            sweep.append({"draft_tokens": k, "tau": agg["tau"], "alpha": agg["alpha"],
+            sweep.append({"draft_tokens": k, "prompts": m, "tau": agg["tau"], "alpha": agg["alpha"],
                           "tokens_per_s": agg["tokens_per_s"],
                           "speedup": agg["tokens_per_s"] / base if base and agg["tokens_per_s"] else None})
         if saved_num_tokens is not None:
