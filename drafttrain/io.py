@@ -81,10 +81,43 @@ def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta
 
 
 def load_tensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a missing, truncated or corrupted file is one DraftTrainError."""
     path = Path(path)
     if not path.exists():
-        raise DraftTrainError(f"{path}: file not found")
-    return load_file(str(path), device=str(device))
+        raise DraftTrainError(f"{path}: file not found (only safetensors weights are loaded)")
+    try:
+        return load_file(str(path), device=str(device))
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise DraftTrainError(f"{path}: cannot read safetensors file ({e})") from None
+
+
+def read_drafter_config(directory: str | os.PathLike, config_name: str, drafter_type: str) -> dict:
+    """``directory/config_name`` of a saved drafter, checked to be a JSON object of ``drafter_type``."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DraftTrainError(f"{directory}: not a directory")
+    raw = read_json(directory / config_name)
+    if not isinstance(raw, dict):
+        raise DraftTrainError(f"{directory / config_name}: expected a JSON object")
+    if raw.get("drafter_type") != drafter_type:
+        raise DraftTrainError(f"{directory / config_name}: drafter_type is {raw.get('drafter_type')!r}, "
+                              f"expected {drafter_type!r}")
+    return raw
+
+
+def check_state_dict(where: str | os.PathLike, expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor],
+                     against: str = "config.json") -> None:
+    """Refuse weights whose names or shapes differ from the module built from its config (one line)."""
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(found.keys() - expected.keys())
+    if missing or unexpected:
+        more = lambda xs: f"{xs[:5]}{'...' if len(xs) > 5 else ''}"  # noqa: E731
+        raise DraftTrainError(f"{where}: does not match {against} (missing: {more(missing)}; "
+                              f"unexpected: {more(unexpected)})")
+    bad = [f"{k} {tuple(found[k].shape)} != {tuple(v.shape)}" for k, v in expected.items()
+           if found[k].shape != v.shape]
+    if bad:
+        raise DraftTrainError(f"{where}: shape mismatch vs {against}: {'; '.join(bad[:5])}")
 
 
 def torch_load_safe(path: str | os.PathLike) -> Any:

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,6 @@ from drafttrain.data.builtin import builtin_conversations, builtin_dataset
 from drafttrain.data.chat import prompt_ids, read_conversations
 from drafttrain.data.regenerate import eos_token_ids, regenerate_conversations, regenerate_file
 from drafttrain.io import DraftTrainError
-from drafttrain.targets.builtin import BuiltinSpec, ensure_builtin_target
 
 MAX_NEW = 10
 

@@ -242,6 +242,22 @@ class PromptLookupTreeProposer(PromptLookupProposer):
         return DraftTree(toks, pars)
 
 
+def _draft_token(z: Tensor, sampling: SamplingParams, grammar, drafts: list, qs: list) -> bool:
+    """One chain draft from logits ``z`` [V]: masked by the grammar, then the argmax (greedy) or a sample
+    of the processed distribution q (appended to ``qs``); the token is appended to ``drafts``. False when
+    drafting stops here: no grammatical token (nothing appended), or the grammar ends after this one."""
+    if grammar is not None and (z := _grammar_logits(z, grammar)) is None:
+        return False
+    if sampling.greedy:
+        d = z.argmax(-1)
+    else:
+        q = sampling.process(z)
+        d = sample(q, sampling.generator)
+        qs.append(q)
+    drafts.append(d)
+    return grammar is None or _grammar_step(grammar, d)
+
+
 class DraftModelProposer:
     """Vanilla speculative decoding with a separate small causal LM sharing the target's tokenizer.
 
@@ -316,20 +332,10 @@ class DraftModelProposer:
         fed = 0  # drafts fed to the draft cache
         with _grammar_scope(grammar):
             for i in range(k):
-                z = self._to_target_vocab(logits)
-                if grammar is not None and (z := _grammar_logits(z, grammar)) is None:
-                    break
-                if sampling.greedy:
-                    d = z.argmax(-1)
-                else:
-                    q = sampling.process(z)
-                    d = sample(q, sampling.generator)
-                    qs.append(q)
-                drafts.append(d)
-                if grammar is not None and not _grammar_step(grammar, d):
+                if not _draft_token(self._to_target_vocab(logits), sampling, grammar, drafts, qs):
                     break
                 if i + 1 < k:
-                    logits, _ = self.runner.forward(d.reshape(1, 1))
+                    logits, _ = self.runner.forward(drafts[-1].reshape(1, 1))
                     logits = logits[-1]
                     fed += 1
         if not drafts:
@@ -478,20 +484,11 @@ class Eagle3ChainProposer:
             for i in range(k):
                 z = self.drafter.logits_to_target(logits.float())  # [V], -inf outside the draft vocab
                 # (masking the target-width z is masking the draft vocabulary at allowed[draft_to_target_ids])
-                if grammar is not None and (z := _grammar_logits(z, grammar)) is None:
-                    break
-                if sampling.greedy:
-                    d = z.argmax(-1)
-                else:
-                    q = sampling.process(z)
-                    d = sample(q, sampling.generator)
-                    qs.append(q)
-                drafts.append(d)
-                if grammar is not None and not _grammar_step(grammar, d):
+                if not _draft_token(z, sampling, grammar, drafts, qs):
                     break
                 if i + 1 < k:
                     pos = torch.tensor([[self._n + i]], device=self.device)
-                    out, hidden = self._draft_step(d.reshape(1, 1), hidden, pos)
+                    out, hidden = self._draft_step(drafts[-1].reshape(1, 1), hidden, pos)
                     logits = out[0, -1]
         if not drafts:
             return [], None
@@ -575,7 +572,6 @@ class Eagle3TreeProposer(Eagle3ChainProposer):
         if grammar is not None:
             paths = [[t] if ok else None for t, ok in zip(f_tok.tolist(), torch.isfinite(s1).tolist())]
         for d in range(2, D + 1):
-            L = self.cache.length
             mask = torch.cat([torch.ones(k, n, dtype=torch.bool, device=dev), vis,
                               torch.eye(k, dtype=torch.bool, device=dev)], dim=1)[None]  # [1, k, L + k]
             pos = torch.full((1, k), n + d - 2, dtype=torch.long, device=dev)

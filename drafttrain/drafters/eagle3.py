@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafttrain.io import DraftTrainError, atomic_dir, load_tensors, read_json, save_tensors, write_json
+from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_tensors, read_drafter_config, save_tensors, write_json)
 
 __all__ = [
     "Eagle3Config",
@@ -626,41 +626,16 @@ class Eagle3Drafter(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, device=None) -> "Eagle3Drafter":
         directory = Path(directory)
-        if not directory.is_dir():
-            raise DraftTrainError(f"{directory}: not a directory")
-        raw = read_json(directory / CONFIG_NAME)
-        if not isinstance(raw, dict):
-            raise DraftTrainError(f"{directory / CONFIG_NAME}: expected a JSON object")
-        kind = raw.get("drafter_type")
-        if kind != DRAFTER_TYPE:
-            raise DraftTrainError(f"{directory / CONFIG_NAME}: drafter_type is {kind!r}, expected {DRAFTER_TYPE!r}")
-        config = Eagle3Config.from_dict(raw)
+        config = Eagle3Config.from_dict(read_drafter_config(directory, CONFIG_NAME, DRAFTER_TYPE))
         weights = directory / WEIGHTS_NAME
-        if not weights.exists():
-            raise DraftTrainError(f"{weights}: file not found (only safetensors weights are loaded)")
-        try:
-            sd = load_tensors(weights)
-        except DraftTrainError:
-            raise
-        except Exception as e:  # corrupted / truncated file
-            raise DraftTrainError(f"{weights}: cannot read safetensors file ({e})") from None
+        sd = load_tensors(weights)
         if "d2t" not in sd or "t2d" not in sd:
             raise DraftTrainError(f"{weights}: missing d2t/t2d buffers")
         model = cls(config, sd["d2t"], sd["t2d"])
         saved_dtype = sd["fc.weight"].dtype if "fc.weight" in sd else torch.float32
         if saved_dtype.is_floating_point and saved_dtype != torch.float32:
             model.to(saved_dtype)
-        expected = model.state_dict()
-        missing = sorted(expected.keys() - sd.keys())
-        unexpected = sorted(sd.keys() - expected.keys())
-        if missing or unexpected:
-            raise DraftTrainError(
-                f"{weights}: does not match config.json (missing: {missing[:5]}{'...' if len(missing) > 5 else ''}; "
-                f"unexpected: {unexpected[:5]}{'...' if len(unexpected) > 5 else ''})"
-            )
-        bad = [f"{k} {tuple(sd[k].shape)} != {tuple(v.shape)}" for k, v in expected.items() if sd[k].shape != v.shape]
-        if bad:
-            raise DraftTrainError(f"{weights}: shape mismatch vs config.json: {'; '.join(bad[:5])}")
+        check_state_dict(weights, model.state_dict(), sd)
         model.load_state_dict(sd, strict=True)
         if device is not None:
             model.to(device)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafttrain.io import DraftTrainError, atomic_dir, load_tensors, read_json, save_tensors, write_json
+from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_tensors, read_drafter_config, save_tensors, write_json)
 from drafttrain.losses import kd_loss, next_token_mask
 
 __all__ = [
@@ -153,15 +153,7 @@ class MedusaHeads(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, device=None) -> "MedusaHeads":
         directory = Path(directory)
-        if not directory.is_dir():
-            raise DraftTrainError(f"{directory}: not a directory")
-        raw = read_json(directory / CONFIG_NAME)
-        if not isinstance(raw, dict):
-            raise DraftTrainError(f"{directory / CONFIG_NAME}: expected a JSON object")
-        if raw.get("drafter_type") != DRAFTER_TYPE:
-            raise DraftTrainError(
-                f"{directory / CONFIG_NAME}: drafter_type is {raw.get('drafter_type')!r}, expected {DRAFTER_TYPE!r}"
-            )
+        raw = read_drafter_config(directory, CONFIG_NAME, DRAFTER_TYPE)
         try:
             model = cls(int(raw["hidden_size"]), int(raw["vocab_size"]), num_heads=int(raw["num_heads"]),
                         num_layers=int(raw["num_layers"]), bias=bool(raw.get("medusa_fc_bias", True)),
@@ -169,23 +161,8 @@ class MedusaHeads(nn.Module):
         except KeyError as e:
             raise DraftTrainError(f"{directory / CONFIG_NAME}: missing key {e.args[0]!r}") from None
         weights = directory / WEIGHTS_NAME
-        if not weights.exists():
-            raise DraftTrainError(f"{weights}: file not found (only safetensors weights are loaded)")
-        try:
-            sd = load_tensors(weights)
-        except DraftTrainError:
-            raise
-        except Exception as e:  # corrupted / truncated file
-            raise DraftTrainError(f"{weights}: cannot read safetensors file ({e})") from None
-        expected = model.state_dict()
-        missing = sorted(expected.keys() - sd.keys())
-        unexpected = sorted(sd.keys() - expected.keys())
-        if missing or unexpected:
-            raise DraftTrainError(f"{weights}: does not match config.json (missing: {missing[:5]}; "
-                                  f"unexpected: {unexpected[:5]})")
-        bad = [f"{k} {tuple(sd[k].shape)} != {tuple(v.shape)}" for k, v in expected.items() if sd[k].shape != v.shape]
-        if bad:
-            raise DraftTrainError(f"{weights}: shape mismatch vs config.json: {'; '.join(bad[:5])}")
+        sd = load_tensors(weights)
+        check_state_dict(weights, model.state_dict(), sd)
         dtype = sd["lm_heads.0.weight"].dtype
         if dtype.is_floating_point and dtype != torch.float32:
             model.to(dtype)

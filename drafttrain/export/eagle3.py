@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import DraftTrainError, load_tensors, read_json, save_tensors, write_json
+from ..io import DraftTrainError, check_state_dict, load_tensors, read_json, save_tensors, write_json
 
 SPECULATORS_FORMAT = "0.9.0"  # the speculators config layout followed (vllm-project/speculators)
 NORM_BEFORE_RESIDUAL = False  # drafters/eagle3.py: layer 0's residual is the fused hidden before hidden_norm
@@ -247,13 +247,7 @@ def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
     if dtype != torch.float32:
         model.to(dtype)
     expected = model.state_dict()
-    missing, unexpected = sorted(expected.keys() - sd.keys()), sorted(sd.keys() - expected.keys())
-    if missing or unexpected:
-        raise DraftTrainError(f"{directory / 'model.safetensors'}: does not match its config (missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]})")
-    bad = [f"{k} {tuple(sd[k].shape)} != {tuple(v.shape)}" for k, v in expected.items() if sd[k].shape != v.shape]
-    if bad:
-        raise DraftTrainError(f"{directory / 'model.safetensors'}: shape mismatch: {'; '.join(bad[:5])}")
+    check_state_dict(directory / "model.safetensors", expected, sd, against="its config")
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in sd.items()}, strict=True)
     if device is not None:
         model.to(device)
