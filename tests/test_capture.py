@@ -194,6 +194,9 @@ def test_offline_training_matches_online(tmp_path_factory, tiny_builtin_target):
     state = json.loads((off / "checkpoints" / "step_00000004" / "state.json").read_text())
     assert state["config"]["capture"]["mode"] == "offline" and state["world_size"] == 2
     assert_same_curve(history(ref), history(off))
+    # ... without loading the target's decoder layers (EAGLE-3: embeddings, final norm and lm_head only)
+    log = (off / "stdout.log").read_text()
+    assert "capture.mode=offline: loaded" in log and "), decoder layers 0..7 were not loaded" in log, log[-3000:]
 
 
 # ------------------------------------------------------------------ Medusa-1 and distillation from features
@@ -259,3 +262,64 @@ def test_offline_refuses_medusa2_and_on_policy_distillation(setup, tmp_path):
     eagle = setup[3]
     with pytest.raises(DraftTrainError, match="lacks taps"):
         _check_offline(fs, eagle, SimpleNamespace(**job.__dict__, method="eagle3", eagle3=None))
+
+
+# ------------------------------------------------------------------ the loop loads only the target's parts
+def test_offline_training_loads_only_the_target_parts_it_needs(setup, tiny_builtin_target, tmp_path, monkeypatch,
+                                                               capsys):
+    """distill (from_target_layers, 2 layers) trained offline in process: the target's other decoder layers are
+    never materialised (they stay on meta) and the log says so; a run resumed from its checkpoint continues
+    it exactly; the final evaluation alone loads the whole target."""
+    import re
+
+    from accelerate.state import AcceleratorState, GradientState
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import drafttrain.config  # noqa: F401  (registers the structured configs)
+    from drafttrain.cli import CONF_DIR
+    from drafttrain.targets import load as L
+    from drafttrain.training import loop
+
+    feats = tmp_path / "f"
+    _capture(setup, feats, method="distill", taps=None, target_name=L.target_id(str(tiny_builtin_target)))
+    parts, wholes = [], []
+    real_parts, real_whole = L.load_target_parts, L.load_target
+    monkeypatch.setattr(L, "load_target_parts", lambda *a, **k: parts.append(real_parts(*a, **k)) or parts[-1])
+    monkeypatch.setattr(L, "load_target", lambda *a, **k: wholes.append(1) or real_whole(*a, **k))
+
+    def train(run, *extra):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=[
+                "recipe=distill", f"target.name_or_path={tiny_builtin_target}", "logger=none", "capture.mode=offline",
+                f"capture.path={feats}", "train.max_steps=2", "train.batch_size=4", "train.micro_batch_size=2",
+                "train.warmup_steps=1", "train.save_every=1", "data.num_eval=2", "decode.num_prompts=2",
+                "decode.max_new_tokens=8", "decode.warmup=0", "decode.sweep=[]", "decode.plot=false", *extra])
+        run.mkdir()  # what Hydra does for a real run
+        monkeypatch.setattr(loop, "_run_dir_from_hydra", lambda: run)
+        return loop.run_train(cfg)
+
+    try:
+        train(tmp_path / "a", "train.eval=false")
+        model = parts[0][0]
+        n = model.config.num_hidden_layers
+        assert all(not p.is_meta for p in model.model.layers[:2].parameters())
+        assert all(p.is_meta for p in model.model.layers[2:].parameters())
+        assert not model.get_output_embeddings().weight.is_meta and wholes == []
+        out = capsys.readouterr().out
+        assert re.search(rf"capture.mode=offline: loaded .*decoder layers 0\.\.1\), decoder layers 2\.\.{n - 1} were not "
+                         "loaded", out), out
+
+        report = train(tmp_path / "b", "train.eval=true",
+                       f"train.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000001'}")
+        assert len(parts) == 2 and wholes == [1]  # the whole target: once, for the evaluation
+        assert "loading the whole target for the evaluation" in capsys.readouterr().out
+        assert report["outputs_match_baseline"] is True and report["prompts"] == 2
+        a = json.loads((tmp_path / "a" / "train_metrics.json").read_text())["history"]
+        b = json.loads((tmp_path / "b" / "train_metrics.json").read_text())["history"]
+        assert [h["step"] for h in b] == [2] and b[0]["loss"] == pytest.approx(a[1]["loss"], rel=1e-5)
+    finally:
+        GlobalHydra.instance().clear()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

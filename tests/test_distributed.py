@@ -67,12 +67,17 @@ def capture_run(tmp_path_factory) -> Path:
 
 
 def zero2_offline_run(tmp_path_factory) -> Path:
-    """ZeRO-2, 2 processes, trained from the offline features."""
+    """ZeRO-2, 2 processes, trained from the offline features (its stdout kept in ``stdout.log``)."""
     feats = capture_run(tmp_path_factory)
-    return shared_run(tmp_path_factory, "zero2-offline", lambda d: run_cmd(
-        ["--config_file", ACC / "deepspeed_zero2.yaml", "--num_processes", "2", "--mixed_precision", "no",
-         REPO / "train.py", "recipe=eagle3", *SMALL, "logger=none", "train.eval=false", "capture.mode=offline",
-         f"capture.path={feats}", "capture.verify=full", f"hydra.run.dir={d}"], launcher=LAUNCH))
+
+    def make(d: Path) -> None:
+        r = run_cmd(
+            ["--config_file", ACC / "deepspeed_zero2.yaml", "--num_processes", "2", "--mixed_precision", "no",
+             REPO / "train.py", "recipe=eagle3", *SMALL, "logger=none", "train.eval=false", "capture.mode=offline",
+             f"capture.path={feats}", "capture.verify=full", f"hydra.run.dir={d}"], launcher=LAUNCH)
+        (d / "stdout.log").write_text(r.stdout)
+
+    return shared_run(tmp_path_factory, "zero2-offline", make)
 
 
 def zero3_run(tmp_path_factory) -> Path:

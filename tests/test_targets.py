@@ -112,3 +112,89 @@ def test_bad_targets_and_taps(tmp_path):
         resolve_taps(8, [2, 4, 9])
     with pytest.raises(DraftTrainError, match="exactly 3"):
         resolve_taps(8, [2, 4])
+
+
+# ------------------------------------------------------------------ load_target_parts (capture.mode=offline)
+def _save_tiny(tmp_path, tiny_builtin_target, arch, tie, shard=None, name="m"):
+    tok = AutoTokenizer.from_pretrained(tiny_builtin_target)
+    cfg = _tiny_configs(len(tok))[arch]
+    cfg.tie_word_embeddings = tie
+    cfg.eos_token_id = tok.eos_token_id
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # make every tensor distinct from an init (norms start at one)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    kw = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(tmp_path / name, **kw)
+    tok.save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("arch,tie,shard,dtype", [
+    ("llama", False, None, "float32"),       # untied, one model.safetensors
+    ("qwen3", True, "150KB", "float32"),     # tied embeddings, sharded checkpoint
+    ("gemma", True, None, "bfloat16"),       # ties by default; cast from the stored float32 as from_pretrained does
+])
+def test_target_parts_match_the_full_load(arch, tie, shard, dtype, tmp_path, tiny_builtin_target):
+    from drafttrain.targets.load import is_partial, load_target_parts
+
+    path = _save_tiny(tmp_path, tiny_builtin_target, arch, tie, shard)
+    assert (path / "model.safetensors.index.json").exists() == bool(shard)
+    tc = TargetConfig(name_or_path=str(path), dtype=dtype)
+    full, _, _ = load_target(tc)
+    notes = []
+    for first in (0, 2):
+        part, tok, p = load_target_parts(tc, first_layers=first, say=notes.append)
+        assert p == str(path) and tok.eos_token_id == full.config.eos_token_id and not notes
+        assert is_partial(part) and not is_partial(full) and not part.training
+        assert part.generation_config.eos_token_id == full.generation_config.eos_token_id
+        emb, head = part.get_input_embeddings().weight, part.get_output_embeddings().weight
+        assert (emb is head) == tie == (full.get_input_embeddings().weight is full.get_output_embeddings().weight)
+        ref = full.state_dict()
+        kept = {k for k, v in part.state_dict().items() if not v.is_meta}
+        prefix = "model.layers."
+        assert kept == {k for k in ref if not k.startswith(prefix) or int(k[len(prefix):].split(".")[0]) < first}
+        for k in kept:  # bit-identical to from_pretrained, dtype included
+            assert torch.equal(part.state_dict()[k], ref[k]) and part.state_dict()[k].dtype == ref[k].dtype, k
+        assert all(p.is_meta for p in part.model.layers[first:].parameters())  # no memory for the rest
+        assert not any(p.requires_grad for p in part.parameters())
+        loaded = sum(p.numel() for p in part.parameters() if not p.is_meta)
+        assert loaded < sum(p.numel() for p in full.parameters())
+
+
+def test_target_parts_fall_back_to_the_whole_target(tmp_path, tiny_builtin_target):
+    """A checkpoint the parts loader cannot read as the model expects (here: tie_word_embeddings=true but the
+    file holds a different lm_head, which from_pretrained keeps untied) is loaded whole, with a note."""
+    from drafttrain.targets.load import is_partial, load_target_parts
+
+    path = _save_tiny(tmp_path, tiny_builtin_target, "llama", tie=False)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    notes = []
+    model, _, _ = load_target_parts(TargetConfig(name_or_path=str(path), dtype="float32"), say=notes.append)
+    assert len(notes) == 1 and "different" in notes[0] and "loading the whole target" in notes[0]
+    assert not is_partial(model)
+    full, _, _ = load_target(TargetConfig(name_or_path=str(path), dtype="float32"))
+    assert torch.equal(model.lm_head.weight, full.lm_head.weight)
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_target_parts_refuse_bad_targets_like_load_target(tmp_path):
+    from drafttrain.targets.load import load_target_parts
+
+    with pytest.raises(DraftTrainError, match="no such directory"):
+        load_target_parts(TargetConfig(name_or_path=str(tmp_path / "missing")))
+    (tmp_path / "notlm").mkdir()
+    (tmp_path / "notlm" / "config.json").write_text(json.dumps({"model_type": "resnet"}))
+    with pytest.raises(DraftTrainError, match="not a causal language model|cannot load"):
+        load_target_parts(TargetConfig(name_or_path=str(tmp_path / "notlm")))
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 16,
+                                                                    "hidden_size": 8, "num_hidden_layers": 1,
+                                                                    "num_attention_heads": 2,
+                                                                    "intermediate_size": 8}))
+    notes = []
+    with pytest.raises(DraftTrainError, match="cannot load the model weights"):
+        load_target_parts(TargetConfig(name_or_path=str(tmp_path / "noweights")), say=notes.append)
+    assert notes and "no safetensors checkpoint" in notes[0]

@@ -119,6 +119,12 @@ class DistillMethod:
         self.eos = [t for t in {tokenizer.eos_token_id, *_gen_eos(target_model)} if t is not None]
         self.on_policy_rows = 0
 
+    @staticmethod
+    def target_layers(cfg) -> int:
+        """The target's first decoder layers ``build_drafter`` copies (``init=from_target_layers``); with
+        capture.mode=offline the loop loads only those of the target's layers."""
+        return int(cfg.num_layers) if cfg.init == "from_target_layers" else 0
+
     def build_drafter(self, target_model, examples, target_name: str) -> DraftLM:
         c = self.cfg
         lm = build_draft_lm(target_model, mode=c.init, num_layers=int(c.num_layers), hidden_size=c.hidden_size,

@@ -21,6 +21,11 @@ Optional hooks (training/medusa.py, training/distill.py):
   eval_setup(target, drafter) -> (target, drafter, extra report keys)
                                                       what the decoder verifies with and drafts with
                                                       (Medusa-2: the adapted target, merged)
+  target_layers(cfg) -> int  (static)                 how many of the target's first decoder layers
+                                                      build_drafter copies (distill from_target_layers)
+capture.mode=offline (offline_features, capture_from_features): the target given to the method is
+load_target_parts's: embeddings, final norm, lm_head and the first target_layers(cfg) decoder layers are
+loaded, the other layers stay on the meta device; the whole target is loaded after training to evaluate.
 """
 from __future__ import annotations
 
@@ -62,21 +67,38 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
     return f
 
 
-def make_method(job, tokenizer, target_model):
+def _method_class(job):
+    """``(class, its config section)`` of ``job.method``."""
     if job.method == "eagle3":
         from .eagle3 import Eagle3Method
 
-        return Eagle3Method(job.eagle3, tokenizer, target_model)
+        return Eagle3Method, job.eagle3
     if job.method in ("medusa", "medusa2"):
         from .medusa import MedusaMethod
 
-        return MedusaMethod(job.medusa, tokenizer, target_model, joint=job.method == "medusa2")
+        return MedusaMethod, job.medusa
     if job.method == "distill":
         from .distill import DistillMethod
 
-        return DistillMethod(job.distill, tokenizer, target_model, seed=job.train.seed)
+        return DistillMethod, job.distill
     raise DraftTrainError(f"method={job.method}: not a training method (expected: eagle3, medusa, medusa2, "
                           "distill)")
+
+
+def make_method(job, tokenizer, target_model):
+    cls, cfg = _method_class(job)
+    if job.method in ("medusa", "medusa2"):
+        return cls(cfg, tokenizer, target_model, joint=job.method == "medusa2")
+    if job.method == "distill":
+        return cls(cfg, tokenizer, target_model, seed=job.train.seed)
+    return cls(cfg, tokenizer, target_model)
+
+
+def target_layers_needed(job) -> int:
+    """How many of the target's first decoder layers the method builds its drafter from (the optional static
+    ``target_layers(cfg)`` of its class; 0 without one). capture.mode=offline loads only those of its layers."""
+    cls, cfg = _method_class(job)
+    return int(cls.target_layers(cfg)) if hasattr(cls, "target_layers") else 0
 
 
 def load_training_data(job, model, tokenizer, target_name: str, run_dir: Path):
@@ -114,7 +136,13 @@ def run_train(cfg) -> dict | None:
     from tqdm.auto import tqdm
 
     from ..data.chat import collate
-    from ..targets.load import load_target, resolve_device, target_id
+    from ..targets.load import (
+        is_partial,
+        load_target,
+        load_target_parts,
+        resolve_device,
+        target_id,
+    )
     from .logging import log_image, tracker_for
 
     job = OmegaConf.to_object(cfg)
@@ -146,11 +174,17 @@ def run_train(cfg) -> dict | None:
 
     say(f"run directory: {run_dir}")
     # ---- target (built on the main process first when it is the built-in one) ----
+    # capture.mode=offline: its layers never run, so only what the drafter copies (embeddings, lm_head, the first
+    # layers of a from_target_layers draft) is loaded; the whole target is loaded for the final evaluation
+    first_layers = target_layers_needed(job) if job.capture.mode == "offline" else None
     with accelerator.main_process_first():
-        model, tokenizer, target_path = load_target(job.target, device=accelerator.device)
+        if first_layers is None:
+            model, tokenizer, target_path = load_target(job.target, device=accelerator.device)
+        else:
+            model, tokenizer, target_path = load_target_parts(job.target, device=accelerator.device,
+                                                              first_layers=first_layers, say=say)
     tname = target_id(target_path)
-    say(f"target: {tname} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
-        f"{model.config.num_hidden_layers} layers)")
+    say(_describe_target(tname, model, first_layers))
 
     # ---- data (the main process regenerates/caches first, the others reuse the cache) ----
     store = None  # capture.mode=offline: the feature store written by `drafttrain capture`
@@ -287,6 +321,10 @@ def run_train(cfg) -> dict | None:
         from ..eval import evaluate_drafter
 
         est = method.estimated_tau(train_metrics, job.decode.num_draft_tokens) if train_metrics else None
+        if is_partial(model):  # capture.mode=offline: decoding runs the whole target; training is over, load it
+            say("loading the whole target for the evaluation")
+            with _whole_models(accelerator):  # ZeRO-3: not partitioned (only this process evaluates)
+                model, _, _ = load_target(job.target, device=accelerator.device)
         eval_model, eval_drafter, extra = model, _eval_module(accelerator, wrapped, final_dir), None
         if hasattr(method, "eval_setup"):  # e.g. Medusa-2 verifies with its adapted target
             eval_model, eval_drafter, extra = method.eval_setup(model, eval_drafter)
@@ -333,10 +371,12 @@ def _eval_checkpoint(accelerator, method, model, tokenizer, wrapped, job, eval_c
                      log_with) -> None:
     """train.eval_checkpoints: decode with the drafter as of this checkpoint (main process); the report lands
     in the checkpoint's directory and eval/* (α, τ, speedup, the acceptance plot) is logged at its step."""
+    from ..targets.load import is_partial
     from .logging import log_image
 
     skip = "ZeRO-3 (partitioned weights)" if _zero3(accelerator) else \
-        "a method that changes the target" if hasattr(method, "eval_setup") else None
+        "a method that changes the target" if hasattr(method, "eval_setup") else \
+        "capture.mode=offline (the target's layers are not loaded)" if is_partial(model) else None
     if skip:
         if accelerator.is_main_process and step == job.train.save_every:
             print(f"[drafttrain] train.eval_checkpoints: skipped under {skip}; evaluate checkpoints with drafttrain "
@@ -430,6 +470,21 @@ def _eval_module(accelerator, wrapped, final_dir: Path):
         raise DraftTrainError(f"ZeRO-3: cannot reload {type(module).__name__} for evaluation; run `drafttrain eval "
                               f"drafter={final_dir}`")
     return type(module).from_pretrained(final_dir, device=accelerator.device)
+
+
+def _describe_target(tname: str, model, first_layers: int | None) -> str:
+    """The log line of the target; with capture.mode=offline, what of it was loaded and what was not."""
+    from ..targets.load import is_partial, num_layers
+
+    L = num_layers(model)
+    total = sum(p.numel() for p in model.parameters())
+    line = f"target: {tname} ({total / 1e6:.1f}M params, {L} layers)"
+    if first_layers is None or not is_partial(model):  # online, or the whole target loaded after all
+        return line
+    loaded = sum(p.numel() for p in model.parameters() if not p.is_meta)
+    n = min(first_layers, L)
+    return (f"{line}; capture.mode=offline: loaded {loaded / 1e6:.1f}M params (embeddings, final norm, lm_head"
+            f"{f', decoder layers 0..{n - 1}' if n else ''}), decoder layers {n}..{L - 1} were not loaded")
 
 
 def _offline_data(job, tname: str):
