@@ -251,7 +251,7 @@ def test_offline_refuses_medusa2_and_on_policy_distillation(setup, tmp_path):
     model, tok, _, _ = setup
     _capture(setup, tmp_path / "m", method="medusa", taps=None)
     fs = FeatureStore(tmp_path / "m")
-    job = SimpleNamespace(capture=SimpleNamespace(path=str(tmp_path / "m")))
+    job = SimpleNamespace(capture=SimpleNamespace(path=str(tmp_path / "m")), distill=DistillConfig(on_policy_ratio=0.5))
     _check_offline(fs, MedusaMethod(MedusaConfig(), tok, model), SimpleNamespace(**job.__dict__, method="medusa"))
     with pytest.raises(DraftTrainError, match="Medusa-2 trains adapters inside the target.*capture.mode=online"):
         _check_offline(fs, MedusaMethod(MedusaConfig(), tok, model, joint=True),

@@ -67,6 +67,16 @@ def test_draft_vocab_larger_than_target_vocab(tmp_path, tiny_builtin_target):
     assert "draft_vocab_size=999999" in _one_error_line(r)
 
 
+def test_offline_capture_refused_for_medusa2_before_anything_loads(tmp_path, tiny_builtin_target):
+    feats = tmp_path / "feats"
+    r = subprocess.run([sys.executable, str(REPO / "train.py"), "recipe=medusa2", *RUN, "capture.mode=offline",
+                        f"capture.path={feats}", f"hydra.run.dir={tmp_path / 'run'}"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ))
+    line = _one_error_line(r)
+    assert "method=medusa2 cannot train from stored features" in line and "capture.mode=online" in line
+    assert "target:" not in r.stdout and not feats.exists()  # refused before the target was loaded
+
+
 def test_tap_layer_out_of_range(tmp_path, tiny_builtin_target):
     r = _train(["eagle3.tap_layers=[2,4,42]", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"])
     assert "42" in _one_error_line(r) and "out of range" in _one_error_line(r)

@@ -206,11 +206,13 @@ class DistillMethod:
     # state (the lm_head input), as the online forward computes them. On-policy rows cannot be stored ahead.
     offline_features = ("last_hidden",)
 
-    @property
-    def offline_unsupported(self) -> str | None:
-        if float(self.cfg.on_policy_ratio) > 0:
-            return (f"distill.on_policy_ratio={self.cfg.on_policy_ratio}: on-policy rows are sampled during "
-                    "training, so the target's features for them cannot be stored ahead")
+    @staticmethod
+    def offline_unsupported(job) -> str | None:
+        """Why ``job`` cannot train from stored features (None: it can)."""
+        r = float(job.distill.on_policy_ratio)
+        if r > 0:
+            return (f"distill.on_policy_ratio={r}: on-policy rows are sampled during training, so the target's "
+                    "features for them cannot be stored ahead")
         return None
 
     @torch.no_grad()

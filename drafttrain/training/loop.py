@@ -176,6 +176,8 @@ def run_train(cfg) -> dict | None:
     # ---- target (built on the main process first when it is the built-in one) ----
     # capture.mode=offline: its layers never run, so only what the drafter copies (embeddings, lm_head, the first
     # layers of a from_target_layers draft) is loaded; the whole target is loaded for the final evaluation
+    if job.capture.mode == "offline":  # before anything is loaded
+        _refuse_offline(job, _method_class(job)[0])
     first_layers = target_layers_needed(job) if job.capture.mode == "offline" else None
     with accelerator.main_process_first():
         if first_layers is None:
@@ -506,12 +508,17 @@ def _offline_data(job, tname: str):
     return store, examples, eval_conversations(job.data), stats
 
 
-def _check_offline(store, method, job) -> None:
-    needs = getattr(method, "offline_features", None)
-    why = getattr(method, "offline_unsupported", None)  # a reason, when this configuration of the method can't
-    if needs is None or why or not hasattr(method, "capture_from_features"):
+def _refuse_offline(job, cls) -> None:
+    """capture.mode=offline with a method (or a setting of it) that cannot train from stored features."""
+    why = cls.offline_unsupported(job) if hasattr(cls, "offline_unsupported") else None
+    if why or not hasattr(cls, "capture_from_features"):
         raise DraftTrainError(f"capture.mode=offline: method={job.method} cannot train from stored features"
                               f"{f' ({why})' if why else ''}; use capture.mode=online")
+
+
+def _check_offline(store, method, job) -> None:
+    _refuse_offline(job, type(method))
+    needs = method.offline_features
     missing = [n for n in needs if n not in store.features]
     if missing:
         raise DraftTrainError(f"capture.path={job.capture.path}: lacks {', '.join(missing)} needed by method="

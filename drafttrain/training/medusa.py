@@ -212,15 +212,15 @@ class MedusaMethod:
                              use_cache=False).logits
         return Capture(hidden=None, base_logits=base.float())
 
-    @property
-    def offline_features(self) -> tuple[str, ...] | None:
-        """capture.mode=offline: Medusa-1 reads the stored last hidden state (the lm_head input, which is what
-        ``final_hidden`` records online). Medusa-2 trains adapters inside the target: no stored features."""
-        return None if self.joint else ("last_hidden",)
+    # capture.mode=offline (Medusa-1): the stored last hidden state, the lm_head input that ``final_hidden``
+    # records online
+    offline_features = ("last_hidden",)
 
-    @property
-    def offline_unsupported(self) -> str | None:
-        return "Medusa-2 trains adapters inside the target, so its hidden states change" if self.joint else None
+    @staticmethod
+    def offline_unsupported(job) -> str | None:
+        """Why ``job`` cannot train from stored features (None: it can)."""
+        return "Medusa-2 trains adapters inside the target, so its hidden states change" \
+            if job.method == "medusa2" else None
 
     @torch.no_grad()
     def capture_from_features(self, target_model, batch, feats: dict) -> Capture:
