@@ -132,6 +132,26 @@ def test_medusa2_recipe_end_to_end(medusa2_run, tiny_builtin_target):
     assert changed and all(("q_proj" in k or "v_proj" in k) for k in changed)
 
 
+@pytest.mark.slow
+def test_medusa2_two_processes_match_one(tmp_path_factory, chats):
+    """Medusa-2 (LoRA inside the target, heads) under DDP with 2 processes: the loss curve of 1 process with the
+    same global batch. LoRA dropout is off here: its masks are drawn per process, so with dropout the curves
+    differ by design (the math is the same)."""
+    extra = ["medusa.num_heads=3", "medusa.lora.r=4", "medusa.lora.dropout=0", "train.eval=false",
+             "train.log_every=1", "train.save_every=100"]
+    one = _train(tmp_path_factory, chats, "medusa2", *extra)
+    two = tmp_path_factory.mktemp("runs") / "medusa2-ddp"
+    _run(["-m", "accelerate.commands.launch", "--config_file", str(REPO / "conf/accelerate/ddp_cpu.yaml"),
+          str(REPO / "train.py"), "recipe=medusa2", *COMMON, f"data.path={chats}", *extra, f"hydra.run.dir={two}"],
+         cwd=REPO)
+    a, b = _history(one), _history(two)
+    assert [h["step"] for h in a] == [h["step"] for h in b] and len(a) == 4
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-4, abs=1e-7)
+    assert a[-1]["lm_loss"] > 0  # the adapters moved, in both runs alike
+
+
 def test_eval_command_reloads_medusa2_with_adapted_target(medusa2_run, tmp_path):
     out = tmp_path / "ev"
     _run(["-m", "drafttrain.cli", "eval", f"drafter={medusa2_run / 'final'}", *TINY_BUILTIN_OVERRIDES,
