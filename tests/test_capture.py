@@ -269,7 +269,7 @@ def test_offline_training_loads_only_the_target_parts_it_needs(setup, tiny_built
                                                                capsys):
     """distill (from_target_layers, 2 layers) trained offline in process: the target's other decoder layers are
     never materialised (they stay on meta) and the log says so; a run resumed from its checkpoint continues
-    it exactly; the final evaluation alone loads the whole target."""
+    it exactly; the final evaluation alone loads the whole target (checkpoint evaluations: once, at the first)."""
     import re
 
     from accelerate.state import AcceleratorState, GradientState
@@ -319,6 +319,17 @@ def test_offline_training_loads_only_the_target_parts_it_needs(setup, tiny_built
         a = json.loads((tmp_path / "a" / "train_metrics.json").read_text())["history"]
         b = json.loads((tmp_path / "b" / "train_metrics.json").read_text())["history"]
         assert [h["step"] for h in b] == [2] and b[0]["loss"] == pytest.approx(a[1]["loss"], rel=1e-5)
+
+        # train.eval_checkpoints: the whole target is loaded once, at the first checkpoint evaluation, and kept
+        # (also for the final evaluation); training on from it gives the same losses
+        train(tmp_path / "c", "train.eval=true", "train.eval_checkpoints=true")
+        assert wholes == [1, 1]
+        out = capsys.readouterr().out
+        assert "loading the whole target on the main process (once)" in out, out
+        assert json.loads((tmp_path / "c" / "checkpoints" / "step_00000001" / "report.json").read_text())[
+            "outputs_match_baseline"] is True
+        c = json.loads((tmp_path / "c" / "train_metrics.json").read_text())["history"]
+        assert [h["loss"] for h in c] == pytest.approx([h["loss"] for h in a], rel=1e-5)
     finally:
         GlobalHydra.instance().clear()
         AcceleratorState._reset_state(True)

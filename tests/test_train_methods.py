@@ -72,7 +72,8 @@ def _history(run):
 
 @pytest.fixture(scope="module")
 def medusa_run(tmp_path_factory, chats):
-    return _train(tmp_path_factory, chats, "medusa", "medusa.num_heads=3", "medusa.tree_num_nodes=6")
+    return _train(tmp_path_factory, chats, "medusa", "medusa.num_heads=3", "medusa.tree_num_nodes=6",
+                  "train.save_every=2", "train.eval_checkpoints=true")
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,15 @@ def medusa2_run(tmp_path_factory, chats):
 @pytest.fixture(scope="module")
 def distill_run(tmp_path_factory, chats):
     return _train(tmp_path_factory, chats, "distill", "distill.loss=jsd", "distill.on_policy_ratio=0.5",
-                  "distill.on_policy_max_new_tokens=8")
+                  "distill.on_policy_max_new_tokens=8", "train.save_every=2", "train.eval_checkpoints=true")
+
+
+@pytest.mark.parametrize("run", ["medusa_run", "distill_run"])
+def test_checkpoints_are_evaluated(run, request):
+    """train.eval_checkpoints: the drafter as of each checkpoint is decoded (Medusa heads; the draft LM)."""
+    report = json.loads((request.getfixturevalue(run) / "checkpoints" / "step_00000002" / "report.json").read_text())
+    assert report["outputs_match_baseline"] is True and report["tau"] >= 1.0
+    assert report["drafter"].endswith("step_00000002")
 
 
 def test_medusa1_recipe_end_to_end(medusa_run):

@@ -294,8 +294,8 @@ def run_train(cfg) -> dict | None:
             _save(accelerator, run_dir, drafter, optimizer, scheduler, done, meta, tc.keep_checkpoints, wrapped, order)
             if tc.eval_checkpoints:
                 t_eval = time.time()
-                _eval_checkpoint(accelerator, method, model, tokenizer, wrapped, job, eval_convs, run_dir, tname, done,
-                                 log_with)
+                model = _eval_checkpoint(accelerator, method, model, tokenizer, wrapped, job, eval_convs, run_dir,
+                                         tname, done, log_with)
                 t_log += time.time() - t_eval  # tokens/s counts training time only
     bar.close()
     train_seconds = time.time() - t_start
@@ -370,33 +370,46 @@ def _save(accelerator, run_dir, drafter, optimizer, scheduler, step, meta, keep,
 
 
 def _eval_checkpoint(accelerator, method, model, tokenizer, wrapped, job, eval_convs, run_dir, tname, step,
-                     log_with) -> None:
+                     log_with):
     """train.eval_checkpoints: decode with the drafter as of this checkpoint (main process); the report lands
-    in the checkpoint's directory and eval/* (α, τ, speedup, the acceptance plot) is logged at its step."""
-    from ..targets.load import is_partial
+    in the checkpoint's directory and eval/* (α, τ, speedup, the acceptance plot) is logged at its step.
+
+    Returns the target to use from now on: with capture.mode=offline the main process loads the whole target
+    at the first checkpoint evaluation (the decoder runs its layers) and keeps it; its lm_head is the one
+    training reads, so training is unchanged, but that process now holds the whole target."""
+    from ..targets.load import is_partial, load_target
     from .logging import log_image
 
     skip = "ZeRO-3 (partitioned weights)" if _zero3(accelerator) else \
-        "a method that changes the target" if hasattr(method, "eval_setup") else \
-        "capture.mode=offline (the target's layers are not loaded)" if is_partial(model) else None
+        "Medusa-2 (its evaluation merges the adapters into the target)" if getattr(method, "joint", False) else None
     if skip:
         if accelerator.is_main_process and step == job.train.save_every:
             print(f"[drafttrain] train.eval_checkpoints: skipped under {skip}; evaluate checkpoints with drafttrain "
                   "eval", flush=True)
-        return
+        return model
     if accelerator.is_main_process:
         from ..eval import evaluate_drafter
 
+        if is_partial(model):
+            print("[drafttrain] train.eval_checkpoints with capture.mode=offline: loading the whole target on the "
+                  "main process (once) to decode", flush=True)
+            with _whole_models(accelerator):
+                model, _, _ = load_target(job.target, device=accelerator.device)
+
         path = checkpoint.checkpoint_dir(run_dir, step)
         module = accelerator.unwrap_model(wrapped)
-        report = evaluate_drafter(model, tokenizer, module, job.decode, eval_convs, path, target_name=tname,
-                                  drafter_name=str(path))
+        eval_model, eval_drafter, extra = model, module, None
+        if hasattr(method, "eval_setup"):  # what the decoder drafts with (Medusa heads, the draft LM)
+            eval_model, eval_drafter, extra = method.eval_setup(model, module)
+        report = evaluate_drafter(eval_model, tokenizer, eval_drafter, job.decode, eval_convs, path,
+                                  target_name=tname, drafter_name=str(path), extra=extra)
         module.train()
         if log_with:
             accelerator.log({f"eval/{k}": v for k, v in report.items() if isinstance(v, (int, float))}, step=step)
             if (path / "acceptance.png").exists():
                 log_image(accelerator, "eval/acceptance_per_position", path / "acceptance.png", step)
     accelerator.wait_for_everyone()
+    return model
 
 
 def _make_accelerator(Accelerator, tc, device, log_with):
