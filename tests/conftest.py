@@ -31,3 +31,15 @@ def tiny_builtin_target(cache_dir) -> Path:
     from drafttrain.targets.builtin import BuiltinSpec, ensure_builtin_target
 
     return ensure_builtin_target(BuiltinSpec(**TINY_BUILTIN), quiet=True)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny-model tests: on a few shared cores a thread pool only adds
+    overhead and contention (``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -16,12 +16,7 @@ from drafttrain.decoding.tune import choose_chain_length, choose_tree_size, expe
 from .conftest import REPO, TINY_BUILTIN_OVERRIDES
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
 
 @pytest.fixture(scope="module")

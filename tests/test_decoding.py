@@ -44,12 +44,7 @@ ARCHS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add overhead (and contention on shared CPUs)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
 
 def make_model(arch: str, seed: int):

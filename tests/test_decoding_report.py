@@ -12,12 +12,7 @@ from drafttrain.eval import draft_depth, evaluate, make_proposer, medusa_choices
 from drafttrain.io import DraftTrainError
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
 
 @pytest.fixture(scope="module")

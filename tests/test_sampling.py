@@ -18,12 +18,7 @@ from drafttrain.decoding.sampling import (
 P_MIN = 1e-3  # χ² / binomial acceptance threshold; seeds are fixed, so the outcome is deterministic
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: threading only adds overhead (and contention on shared CPUs)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
 
 def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:

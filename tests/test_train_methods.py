@@ -27,12 +27,7 @@ REPORT_KEYS = ["method", "target", "drafter", "prompts", "alpha", "acceptance_pe
                "target_modified"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
 
 def _run(args, cwd, timeout=600):

@@ -60,12 +60,7 @@ from .test_decoding import (
 ARCH_NAMES = ["llama", "qwen2", "mistral"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add overhead (and contention on shared CPUs)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
 
 @pytest.fixture(scope="module", params=ARCH_NAMES)
