@@ -576,3 +576,53 @@ def test_distribution_check_has_power(monkeypatch):
     monkeypatch.setattr(engine_mod, "verify_chain_sampling", biased)
     counts, law, _ = _toy_counts(_toy_proposer("draft_model"), 1.0, 0, 1.0, n=600, seed=100)
     assert min(_check_law(counts, law)) < 1e-4
+
+
+# ------------------------------------------------------------------------------ static shapes, compiled
+def test_static_shapes_mixed_sliding_and_full_layers():
+    """A model mixing sliding-window and full-attention layers (Gemma-3 style): the padded static-shape path,
+    whose chain mask is built inside the (compilable) forward per layer type, gives the uncached forward's
+    logits past the window's edge (after a rollback) and decodes as uncached greedy."""
+    torch.manual_seed(0)
+    cfg = tf.Gemma3TextConfig(vocab_size=V, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=12, sliding_window=8,
+                              layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
+                                           "full_attention"], max_position_embeddings=256, initializer_range=0.3)
+    model = tf.Gemma3ForCausalLM(cfg).eval()
+    seq = torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref_logits, _ = full_forward(model, seq)
+    runner = TargetRunner(model, max_len=128, static_shapes=True, buckets=(1, 4))
+    assert runner.static_shapes and runner._mixed
+    runner.forward(seq[:20])
+    runner.forward([1, 2, 3])  # rejected drafts at 20..22, rolled back
+    runner.truncate(20)
+    steps = [runner.forward([t])[0] for t in seq[20:36]]  # bucket-1 steps, past the window of 8
+    torch.testing.assert_close(torch.cat(steps), ref_logits[20:36], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(runner.forward(seq[36:39])[0], ref_logits[36:39], atol=1e-4, rtol=1e-4)  # padded
+    prompt = seq[:PROMPT_LEN]
+    ref = greedy_without_cache(model, prompt, 30)
+    assert SpecDecoder(runner, NoDraft(), 0).generate(prompt, 30).tokens == ref
+    res = SpecDecoder(runner, StubProposer(ref, lambda j: j % 3 != 1, V), 3).generate(prompt, 30)
+    assert res.tokens == ref and res.num_rounds < 29
+
+
+@pytest.mark.slow
+def test_cpu_compiled_chain_path_matches_eager(llama):
+    """static_shapes + compile on CPU: AR and a draft model of the *same shapes* as the target (each runner
+    compiles its own copy of the forward, with guards on module structure skipped) decode exactly as eager,
+    and every forward of the draft's runner returns its own model's logits."""
+    target = TargetRunner(llama.model, max_len=128, static_shapes=True, compile=True, buckets=(1, 4), timing=False)
+    assert target._compiled_chain is not None
+    assert SpecDecoder(target, NoDraft(), 0).generate(llama.prompt, 24).tokens == llama.ar[:24]
+    prop = DraftModelProposer(llama.draft_model, max_len=128, static_shapes=True, compile=True, buckets=(1, 4))
+    res = SpecDecoder(target, prop, 3).generate(llama.prompt, 24)
+    assert res.tokens == llama.ar[:24] and res.num_rounds < 23
+    eager = TargetRunner(llama.draft_model, max_len=128)
+    seq = llama.prompt + llama.ar[:9]
+    for r in (prop.runner, eager):
+        r.reset()
+        r.forward(seq[:PROMPT_LEN])
+    for i in range(PROMPT_LEN, len(seq)):  # bucket-1 steps
+        torch.testing.assert_close(prop.runner.forward([seq[i]])[0], eager.forward([seq[i]])[0], atol=1e-4,
+                                   rtol=1e-4)
+    torch.testing.assert_close(prop.runner.forward(seq[-3:])[0], eager.forward(seq[-3:])[0], atol=1e-4, rtol=1e-4)

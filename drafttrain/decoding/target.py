@@ -24,6 +24,7 @@ mode). The same padded code runs eagerly on CPU, where it is tested.
 from __future__ import annotations
 
 import time
+import types
 from typing import Sequence
 
 import torch
@@ -37,17 +38,45 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _module_structure_guard(entry) -> bool:
+    """Guard filter for :func:`compile_static`: False (skip) for a non-tensor guard on an ``nn.Module``'s
+    Python structure (module and config types and flags, submodule dicts); True for every other guard:
+    tensor guards (inputs, parameters and buffers: shape, dtype, device, strides), the KV cache's attributes,
+    globals, grad mode."""
+    return entry.guard_type == "TENSOR_MATCH" or not entry.orig_guard.source.is_unspecialized_nn_module()
+
+
 def compile_static(fn, device: torch.device):
     """``torch.compile`` for a function whose shapes never change: CUDA graphs on CUDA
-    (``mode="reduce-overhead"``); on CPU the default inductor mode (fused C++ kernels, far less Python
-    overhead per forward). One compilation per input shape (per bucket), paid at warm-up."""
+    (``mode="reduce-overhead"``); on CPU inductor's default mode with its C++ wrapper (fused C++ kernels
+    called from C++: far less Python overhead per forward). One compilation per input shape (per bucket),
+    paid at warm-up.
+
+    Per-call overhead matters here (a draft step of a small model is a fraction of a millisecond), so:
+
+    - ``fn`` is compiled from its own copy of its code object. Dynamo keeps its graphs and guards per code
+      object, so this owner's cache holds only its own graphs: no lookup walks another runner's entries (the
+      target's and the draft's runners share ``TargetRunner._raw_forward``).
+    - With that, guards on the model's Python structure are skipped (:func:`_module_structure_guard`): the
+      owner never swaps its model, and these are most of the ~1000 guards an HF model gets. Tensor guards,
+      parameters included, stay.
+    """
     import torch._dynamo
 
-    # one graph per (runner, bucket): allow more than dynamo's default of 8 before it falls back to eager
+    # one graph per (owner, bucket): allow more than dynamo's default of 8 before it falls back to eager
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    func = getattr(fn, "__func__", fn)
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    own.__kwdefaults__, own.__qualname__ = func.__kwdefaults__, func.__qualname__
+    if own.__code__ is func.__code__:  # pragma: no cover - CPython always copies
+        raise RuntimeError("code.replace() returned the same code object")
+    if hasattr(fn, "__self__"):
+        own = types.MethodType(own, fn.__self__)
+    options = {"guard_filter_fn": lambda entries: [_module_structure_guard(e) for e in entries]}
     if device.type == "cuda":
-        return torch.compile(fn, mode="reduce-overhead", dynamic=False)
-    return torch.compile(fn, dynamic=False)
+        return torch.compile(own, mode="reduce-overhead", dynamic=False, options=options)
+    return torch.compile(own, dynamic=False, options={**options, "cpp_wrapper": True})
 
 
 # ----------------------------------------------------------------------------------------- static cache
@@ -213,9 +242,10 @@ class TargetRunner:
             slack = self.buckets[-1] if self.static_shapes else 0  # padded rows write past the end
             self._kv = StaticKVCache(int(cfg.num_hidden_layers), self.max_len + slack)
             self._neg = torch.finfo(self.dtype if self.dtype.is_floating_point else torch.float32).min
-        self._compiled = None
+        self._compiled = self._compiled_chain = None
         if compile and self.static_shapes:
-            self._compiled = compile_static(self._raw_forward, self.device)
+            self._compiled = compile_static(self._raw_forward, self.device)  # tree verifies
+            self._compiled_chain = compile_static(self._chain_forward, self.device)  # steps, chain verifies
         self.reset()
 
     # ------------------------------------------------------------------------------------------ state
@@ -306,6 +336,30 @@ class TargetRunner:
             taps = torch.cat([out.hidden_states[i][0] for i in self.taps], dim=-1)
         return out.logits[0], taps
 
+    def _chain_forward(self, ids: Tensor, start: Tensor):
+        """Padded chain forward of ``ids [1, bucket]`` at slots and positions ``start + r`` (a committed slot
+        holds the position of its index): the write index, positions and causal (and sliding-window) mask
+        are computed here from the 0-d ``start``, so under ``compile`` a decode step or chain verify is one
+        graph call with two inputs. Padding rows attend causally to their own slots (no effect on real rows)."""
+        rows = ids.shape[1]
+        q = start + torch.arange(rows, device=ids.device)
+        self._kv.write_index = q
+        k = torch.arange(self._kv.capacity, device=ids.device)
+
+        def mask(window):
+            allow = k[None, :] <= q[:, None]
+            if window:
+                allow = allow & ((q[:, None] - k[None, :]) < window)
+            return torch.where(allow, 0.0, self._neg).to(self.dtype)[None, None]
+
+        if not self._sliding:
+            m = mask(None)
+        elif not self._mixed:
+            m = mask(self.window)
+        else:
+            m = {"full_attention": mask(None), "sliding_attention": mask(self.window)}
+        return self._raw_forward(ids, q[None], m, 0)
+
     @torch.no_grad()
     def _run(self, ids: Tensor, depth: Tensor | None, tree: Tensor | None, last_only: bool):
         n = ids.shape[0]
@@ -337,13 +391,19 @@ class TargetRunner:
             bucket = next((b for b in self.buckets if b >= n), None) if self.static_shapes else None
             if bucket is not None:
                 pad = bucket - n
-                ids_p = torch.cat([ids, ids.new_zeros(pad)])
-                pos_p = torch.cat([pos, pos.new_full((pad,), L)])
-                self._kv.write_index = torch.arange(L, L + bucket, device=dev)
+                ids_p = ids if pad == 0 else torch.cat([ids, ids.new_zeros(pad)])
                 self._kv.kv_len = self._kv.capacity
-                mask = self._mask_arg(pos_p, tree, n, self._kv.capacity)
-                fn = self._compiled or self._raw_forward
-                logits, taps = fn(ids_p[None], pos_p[None], mask, 0)
+                if tree is None:
+                    # everything but the tokens is derived from L inside the (compiled) function: a 0-d
+                    # view of the device's slot numbers, no host-to-device copy
+                    fn = self._compiled_chain or self._chain_forward
+                    logits, taps = fn(ids_p[None], self._slots(self._kv.capacity, dev)[L])
+                else:
+                    pos_p = torch.cat([pos, pos.new_full((pad,), L)])
+                    self._kv.write_index = torch.arange(L, L + bucket, device=dev)
+                    mask = self._mask_arg(pos_p, tree, n, self._kv.capacity)
+                    fn = self._compiled or self._raw_forward
+                    logits, taps = fn(ids_p[None], pos_p[None], mask, 0)
                 logits, taps = logits[:n], (None if taps is None else taps[:n])
                 if last_only:
                     logits = logits[-1:]
