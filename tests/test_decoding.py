@@ -159,12 +159,14 @@ def proposers_for(s):
         "stub_sometimes": StubProposer(s.ar, sometimes, V),
         "prompt_lookup": PromptLookupProposer(max_ngram=3, min_ngram=1, num_tokens=8),
         "draft_model": DraftModelProposer(s.draft_model),
+        # static shapes: the catch-up and the draft steps are one greedy_chain call
+        "draft_model_static": DraftModelProposer(s.draft_model, max_len=256, static_shapes=True, buckets=(1, 4)),
         "eagle3": Eagle3ChainProposer(s.drafter, max_len=256),
     }
 
 
 PROPOSERS = {"oracle": 5, "stub_always": 4, "stub_never": 2, "stub_sometimes": 1, "prompt_lookup": 4,
-             "draft_model": 3, "eagle3": 4}  # name -> K
+             "draft_model": 3, "draft_model_static": 3, "eagle3": 4}  # name -> K
 
 
 @pytest.mark.parametrize("name", list(PROPOSERS))
@@ -175,6 +177,33 @@ def test_greedy_equals_ar(setup, name):
     # the target cache holds every committed token but the pending one: no stale entries
     assert setup.runner.length == setup.runner.cache.get_seq_length() == PROMPT_LEN + N_NEW - 1
     assert res.num_accepted <= res.num_drafted <= K * res.num_rounds
+
+
+def test_greedy_chain_matches_step_by_step(setup):
+    """TargetRunner.greedy_chain (feed n tokens, then k - 1 greedy steps in one call; padded with static
+    shapes) drafts what step-by-step forwards draft, leaves the cache as they do, also with the argmax taken
+    over a smaller vocabulary."""
+    seq = setup.prompt + setup.ar[:3]
+    ref = TargetRunner(setup.draft_model, max_len=128)
+    for static in (False, True):
+        runner = TargetRunner(setup.draft_model, max_len=128, static_shapes=static, buckets=(1, 4))
+        for vocab in (V, V // 2):
+            for r in (runner, ref):
+                r.reset()
+                r.forward(seq[:PROMPT_LEN])
+            drafts = runner.greedy_chain(seq[PROMPT_LEN:], 4, vocab)  # 3 tokens: padded to bucket 4
+            logits, _ = ref.forward(seq[PROMPT_LEN:])
+            expect = [int(logits[-1, :vocab].argmax())]
+            for _ in range(3):
+                logits, _ = ref.forward([expect[-1]])
+                expect.append(int(logits[-1, :vocab].argmax()))
+            assert drafts.tolist() == expect, (static, vocab)
+            assert runner.length == ref.length == PROMPT_LEN + 3 + 3
+            for r in (runner, ref):  # reject the last two fed drafts; the cache must hold no stale rows
+                r.truncate(PROMPT_LEN + 4)
+            torch.testing.assert_close(runner.forward([5, 6])[0], ref.forward([5, 6])[0], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="overflow"):
+        runner.greedy_chain([1], 200)
 
 
 def test_no_draft_with_k_is_ar(setup):

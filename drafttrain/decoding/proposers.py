@@ -325,6 +325,12 @@ class DraftModelProposer:
             return [], None
         self._rollback(tokens)
         feed = tokens[len(self._cached) :]  # includes the pending token
+        if sampling.greedy and grammar is None:
+            # the catch-up and k - 1 draft steps in one call (one graph with static shapes + compile)
+            drafts_t = self.runner.greedy_chain(feed, k, self.vocab_size)
+            self._cached.extend(feed)
+            self._unsynced = drafts_t[: k - 1]
+            return drafts_t, None
         logits, _ = self.runner.forward(feed, last_only=True)
         self._cached.extend(feed)
         logits = logits[-1]

@@ -242,10 +242,11 @@ class TargetRunner:
             slack = self.buckets[-1] if self.static_shapes else 0  # padded rows write past the end
             self._kv = StaticKVCache(int(cfg.num_hidden_layers), self.max_len + slack)
             self._neg = torch.finfo(self.dtype if self.dtype.is_floating_point else torch.float32).min
-        self._compiled = self._compiled_chain = None
+        self._compiled = self._compiled_chain = self._compiled_greedy = None
         if compile and self.static_shapes:
             self._compiled = compile_static(self._raw_forward, self.device)  # tree verifies
             self._compiled_chain = compile_static(self._chain_forward, self.device)  # steps, chain verifies
+            self._compiled_greedy = compile_static(self._greedy_chain, self.device)  # greedy draft chains
         self.reset()
 
     # ------------------------------------------------------------------------------------------ state
@@ -359,6 +360,60 @@ class TargetRunner:
         else:
             m = {"full_attention": mask(None), "sliding_attention": mask(self.window)}
         return self._raw_forward(ids, q[None], m, 0)
+
+    def _greedy_chain(self, ids: Tensor, start: Tensor, last: Tensor, k: int, vocab: int) -> Tensor:
+        """Padded forward of ``ids [1, bucket]`` at ``start`` (real rows up to index ``last``, 0-d), then
+        ``k - 1`` greedy steps, each feeding the previous argmax: ``k`` tokens ``[k]`` (argmax over the first
+        ``vocab`` logits). One graph per (bucket, k) under ``compile``."""
+        logits, _ = self._chain_forward(ids, start)
+        d = logits.index_select(0, last.reshape(1))[:, :vocab].argmax(-1)  # [1]
+        out = [d]
+        pos = start + last + 1
+        for _ in range(k - 1):
+            logits, _ = self._chain_forward(d[None], pos)
+            d = logits[:, :vocab].argmax(-1)
+            out.append(d)
+            pos = pos + 1
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def greedy_chain(self, input_ids: Tensor | list[int], k: int, vocab: int | None = None) -> Tensor:
+        """Append ``input_ids`` (n tokens), then draft ``k`` tokens greedily, feeding all but the last one:
+        afterwards ``length`` grew by ``n + k - 1``. Returns the ``k`` drafts (a device tensor: no host sync).
+
+        ``vocab``: take each argmax over the first ``vocab`` logits only (a draft whose vocabulary is larger
+        than the target's). With ``static_shapes`` (the static cache, n within a bucket) the whole chain is
+        one function call, under ``compile`` one graph (one CUDA graph on CUDA); otherwise ``k`` forwards."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
+        n, L = ids.shape[0], self._length
+        vocab = self.vocab_size if vocab is None else min(int(vocab), self.vocab_size)
+        if k < 1 or n < 1:
+            raise ValueError(f"greedy_chain needs n >= 1 tokens and k >= 1 drafts (got n={n}, k={k})")
+        if L + n + k - 1 > self.max_len:
+            raise ValueError(f"cache overflow: {L} + {n} + {k - 1} > max_len {self.max_len}")
+        bucket = next((b for b in self.buckets if b >= n), None) if self.static_shapes else None
+        if bucket is None:
+            logits, _ = self.forward(ids, last_only=True)
+            out = [logits[-1, :vocab].argmax(-1, keepdim=True)]
+            for _ in range(k - 1):
+                logits, _ = self.forward(out[-1])
+                out.append(logits[-1, :vocab].argmax(-1, keepdim=True))
+            return torch.cat(out)
+        dev = self.device
+        ids_p = ids if bucket == n else torch.cat([ids, ids.new_zeros(bucket - n)])
+        self._kv.kv_len = self._kv.capacity
+        slots = self._slots(self._kv.capacity, dev)
+        if self.timing:
+            _sync(dev)
+        t0 = time.perf_counter()
+        fn = self._compiled_greedy or self._greedy_chain
+        drafts = fn(ids_p[None], slots[L], slots[n - 1], int(k), vocab)
+        if self.timing:
+            _sync(dev)
+        self.time_forward += time.perf_counter() - t0
+        self.num_forwards += k
+        self._set_length(L + n + k - 1)
+        return drafts
 
     @torch.no_grad()
     def _run(self, ids: Tensor, depth: Tensor | None, tree: Tensor | None, last_only: bool):
