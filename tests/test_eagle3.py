@@ -377,3 +377,20 @@ def test_bf16_cast_keeps_working_and_round_trips(llama, tmp_path):
     d.save_pretrained(tmp_path / "bf")
     e = Eagle3Drafter.from_pretrained(tmp_path / "bf")
     assert e.fc.weight.dtype == torch.bfloat16 and torch.equal(e.fc.weight, d.fc.weight)
+
+
+def test_sdpa_attention_equals_masked_attention():
+    """The decoder's static draft step attends through SDPA; it must be the training path's masked attention,
+    with GQA, a 2-D or 3-D mask, and a fully masked row (a uniform average, not NaN)."""
+    from drafttrain.drafters.eagle3 import masked_attention, sdpa_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, t, 8, generator=g) for h, t in ((4, 3), (2, 7), (2, 7)))
+    mask = torch.rand(1, 3, 7, generator=g) > 0.4
+    mask[0, 1] = False  # a fully masked row
+    for m in (mask, mask[0]):
+        out = sdpa_attention(q, k, v, m)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, masked_attention(q, k, v, m), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sdpa_attention(q, k, v, mask)[0, :, 1], v[0].mean(1).repeat_interleave(2, 0),
+                               atol=1e-5, rtol=1e-5)

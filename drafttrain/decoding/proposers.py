@@ -364,7 +364,7 @@ def eagle3_step_static(drafter, input_ids: Tensor, hidden: Tensor, cache_k: list
     preallocated ``cache_k/cache_v`` (per layer ``[1, Hkv, max_len, D]``) and attention reads the whole buffer
     under ``mask [1, n, max_len]`` (True = attend). Same math as ``step``; every shape is fixed by (n,
     max_len), so the call can be captured in a CUDA graph."""
-    from drafttrain.drafters.eagle3 import masked_attention
+    from drafttrain.drafters.eagle3 import sdpa_attention
 
     dtype = drafter.fc.weight.dtype
     emb = drafter.embed_tokens(input_ids).to(dtype)
@@ -374,7 +374,7 @@ def eagle3_step_static(drafter, input_ids: Tensor, hidden: Tensor, cache_k: list
         q, k, v = layer.self_attn.qkv(layer.attn_input(emb, h), cos, sin)
         cache_k[li].index_copy_(2, write_index, k.to(cache_k[li].dtype))
         cache_v[li].index_copy_(2, write_index, v.to(cache_v[li].dtype))
-        h = layer.finish(masked_attention(q, cache_k[li].to(q.dtype), cache_v[li].to(q.dtype), mask), h)
+        h = layer.finish(sdpa_attention(q, cache_k[li].to(q.dtype), cache_v[li].to(q.dtype), mask), h)
     return drafter.compute_logits(h), h
 
 

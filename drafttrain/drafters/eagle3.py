@@ -37,6 +37,7 @@ __all__ = [
     "ttt_reference_mask",
     "ttt_attention",
     "masked_attention",
+    "sdpa_attention",
     "CONFIG_NAME",
     "WEIGHTS_NAME",
 ]
@@ -189,6 +190,17 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     p = scores.softmax(-1).to(v.dtype)
     out = torch.matmul(p, v.unsqueeze(2))
     return out.reshape(B, Hq, Tq, D)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`masked_attention` through ``scaled_dot_product_attention`` (a fused kernel; under
+    ``torch.compile`` on CPU about 3x faster for one query row over a long cache): the boolean mask
+    ``[B, Tq, S]`` becomes an additive one with the dtype's lowest value, so a fully masked row still averages
+    uniformly instead of giving NaN."""
+    m = torch.where(mask.to(torch.bool), 0.0, _mask_value(q.dtype)).to(q.dtype)
+    while m.dim() < 3:
+        m = m.unsqueeze(0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], enable_gqa=q.shape[1] != k.shape[1])
 
 
 def ttt_attention(
