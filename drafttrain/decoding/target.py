@@ -18,8 +18,11 @@ Two caches sit behind the same interface (``length`` / ``truncate(n)`` / ``keep(
 
 ``static_shapes=True`` (the CUDA-graph path) pads every verify forward to a fixed bucket of positions and
 attends over the whole buffer (masked), so each bucket has one static shape; ``compile=True`` wraps that
-forward in ``torch.compile`` (on CUDA ``mode="reduce-overhead"``: CUDA graphs; on CPU inductor's default
-mode). The same padded code runs eagerly on CPU, where it is tested.
+forward in ``torch.compile`` (on CUDA ``mode="reduce-overhead"``: CUDA graphs; on CPU inductor with its C++
+wrapper; see :func:`compile_static`). A chain forward (a decode step, a chain verify) takes only the padded
+tokens and a 0-d start slot: positions, write index and causal / sliding-window masks are computed inside
+the graph. :meth:`TargetRunner.greedy_chain` runs a draft model's catch-up forward and its K - 1 greedy draft
+steps as one call (one graph). The same padded code runs eagerly on CPU, where it is tested.
 """
 from __future__ import annotations
 
@@ -408,6 +411,8 @@ class TargetRunner:
         t0 = time.perf_counter()
         fn = self._compiled_greedy or self._greedy_chain
         drafts = fn(ids_p[None], slots[L], slots[n - 1], int(k), vocab)
+        if self._compiled_greedy is not None and dev.type == "cuda":
+            drafts = drafts.clone()  # a CUDA graph's output is overwritten by its next replay
         if self.timing:
             _sync(dev)
         self.time_forward += time.perf_counter() - t0
@@ -422,7 +427,10 @@ class TargetRunner:
         if L + n > self.max_len:
             raise ValueError(f"target cache overflow: {L} + {n} > max_len {self.max_len}")
         dev = self.device
-        pos = (torch.arange(n, device=dev) if depth is None else depth.to(dev)) + L
+        bucket = next((b for b in self.buckets if b >= n), None) if self.static_shapes else None
+        # a padded chain forward derives its positions inside the graph
+        pos = None if bucket is not None and tree is None else (
+            (torch.arange(n, device=dev) if depth is None else depth.to(dev)) + L)
         if self.timing:
             _sync(dev)
         t0 = time.perf_counter()
@@ -443,7 +451,6 @@ class TargetRunner:
             if self.taps is not None:
                 taps = torch.cat([out.hidden_states[i][0] for i in self.taps], dim=-1)
         else:
-            bucket = next((b for b in self.buckets if b >= n), None) if self.static_shapes else None
             if bucket is not None:
                 pad = bucket - n
                 ids_p = ids if pad == 0 else torch.cat([ids, ids.new_zeros(pad)])
