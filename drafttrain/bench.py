@@ -365,7 +365,10 @@ def tune(model, tokenizer, prompts, proposer, decode, *, taps=None, method: str,
     def decode_all(dec):
         if hasattr(proposer, "set_reference"):
             raise DraftTrainError("tune: the oracle needs references; tune a real drafter or pld")
-        dec.generate(prompts[0], max_new_tokens, eos)  # warm-up (compilation, allocation): not timed
+        # warm-up (allocation; with compile, one graph per shape and draft length met, e.g. each catch-up
+        # bucket of a fused draft chain): not timed. Compiled, every prompt once, so no compilation is timed.
+        for p in (prompts if decode.compile else prompts[:1]):
+            dec.generate(p, max_new_tokens, eos)
         return aggregate([dec.generate(p, max_new_tokens, eos) for p in prompts])
 
     ar = decode_all(SpecDecoder(runner, _no_draft(), 0))

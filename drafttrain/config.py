@@ -188,7 +188,7 @@ class DecodeConfig:
     num_prompts: int = 16
     seed: int = 0
     repeats: int = 1  # timed passes over the prompts (AR and speculative interleaved per prompt)
-    warmup: int = 1  # untimed generations before timing
+    warmup: int = 1  # untimed warm-ups before timing (one prompt; with compile, a pass over every prompt)
     draft_model: Optional[str] = None  # decode.method=draft_model: a causal LM sharing the tokenizer
     pld_max_ngram: int = 3
     plot: bool = True

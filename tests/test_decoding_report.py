@@ -105,3 +105,31 @@ def test_make_proposer_errors():
         make_proposer("medusa", decode=_decode(method="medusa"))
     with pytest.raises(DraftTrainError):
         make_proposer("nonsense", decode=_decode())
+
+
+@pytest.mark.slow
+def test_compiled_eval_compiles_nothing_while_timing(tiny, tmp_path, monkeypatch):
+    """With decode.compile the warm-up decodes every prompt (AR and speculative) once, so every graph the
+    timed pass needs already exists: no generate() after the warm-up triggers a compilation."""
+    from torch._dynamo.utils import counters
+
+    from drafttrain.decoding import SpecDecoder
+
+    frames, orig = [], SpecDecoder.generate
+
+    def counted(self, *a, **kw):
+        before = counters["stats"]["unique_graphs"]
+        out = orig(self, *a, **kw)
+        frames.append(counters["stats"]["unique_graphs"] - before)
+        return out
+
+    monkeypatch.setattr(SpecDecoder, "generate", counted)
+    model, tok, *_ = tiny
+    prompts = [tiny[4][0], tiny[4][1][:6]]  # 13 and 6 tokens: prefill buckets 16 and 8
+    decode = _decode(method="pld", num_draft_tokens=3, static_shapes=True, compile=True, buckets=[1, 4, 8, 16])
+    decode.warmup, decode.sweep_prompts = 1, 0
+    rep = evaluate(model, tok, prompts, make_proposer("pld", decode=decode, max_len=128), decode, tmp_path,
+                   method="pld", target_name="tiny", drafter_name=None)
+    assert rep["outputs_match_baseline"] is True
+    warm = 2 * len(prompts)
+    assert sum(frames[:warm]) > 0 and frames[warm:] == [0] * (len(frames) - warm), frames
