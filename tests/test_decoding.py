@@ -655,3 +655,24 @@ def test_cpu_compiled_chain_path_matches_eager(llama):
         torch.testing.assert_close(prop.runner.forward([seq[i]])[0], eager.forward([seq[i]])[0], atol=1e-4,
                                    rtol=1e-4)
     torch.testing.assert_close(prop.runner.forward(seq[-3:])[0], eager.forward(seq[-3:])[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_cpu_compiled_eagle3_chain_no_recompile_per_prompt_length(llama):
+    """Compiled EAGLE-3 chain on CPU: greedy == AR, and once every shape has been met, a prompt of a new
+    length compiles nothing (the rebuilt hidden state handed to the compiled step has the same strides
+    whatever the prompt's length)."""
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (12, 20, 19)]
+    ar = SpecDecoder(TargetRunner(llama.model, max_len=128), NoDraft(), 0)
+    refs = [ar.generate(p, 16).tokens for p in prompts]
+    runner = TargetRunner(llama.model, taps=TAPS, max_len=128, static_shapes=True, compile=True, buckets=(1, 4),
+                          timing=False)
+    dec = SpecDecoder(runner, Eagle3ChainProposer(llama.drafter, max_len=128, static_shapes=True, compile=True), 3)
+    for p, ref in zip(prompts[:2], refs):
+        assert dec.generate(p, 16).tokens == ref
+    before = counters["stats"]["unique_graphs"]
+    assert dec.generate(prompts[2], 16).tokens == refs[2]
+    assert counters["stats"]["unique_graphs"] == before

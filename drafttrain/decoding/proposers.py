@@ -378,6 +378,21 @@ def eagle3_step_static(drafter, input_ids: Tensor, hidden: Tensor, cache_k: list
     return drafter.compute_logits(h), h
 
 
+@torch.no_grad()
+def eagle3_step_chain(drafter, input_ids: Tensor, hidden: Tensor | None, cache_k: list[Tensor],
+                      cache_v: list[Tensor], start: Tensor, taps: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`eagle3_step_static` for ``n`` causal entries at slots (= positions) ``start .. start + n - 1``,
+    ``start`` 0-d: positions, write index and mask are computed here, so under ``compile`` they are part of
+    the graph. With ``taps [1, n, 3*Ht]`` instead of ``hidden``, the target features are fused first (the
+    rebuild of a round's accepted entries)."""
+    if taps is not None:
+        hidden = drafter.fuse(taps)
+    n, cap = input_ids.shape[1], cache_k[0].shape[2]
+    q = start + torch.arange(n, device=input_ids.device)
+    mask = (torch.arange(cap, device=input_ids.device)[None, :] <= q[:, None])[None]
+    return eagle3_step_static(drafter, input_ids, hidden, cache_k, cache_v, q[None], q, mask)
+
+
 class Eagle3ChainProposer:
     """Chain drafting with an EAGLE-3 drafter (``drafttrain.drafters.eagle3``).
 
@@ -408,30 +423,34 @@ class Eagle3ChainProposer:
         p = next(drafter.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.static_shapes = bool(static_shapes)
-        self._step_static = eagle3_step_static
+        self._step_static, self._step_chain = eagle3_step_static, eagle3_step_chain
         if compile and self.static_shapes:
             from .target import compile_static
 
-            self._step_static = compile_static(eagle3_step_static, self.device)
+            self._step_static = compile_static(eagle3_step_static, self.device)  # tree steps (a given mask)
+            self._step_chain = compile_static(eagle3_step_chain, self.device)  # chain steps and rebuilds
         self.reset()
 
-    def _draft_step(self, ids: Tensor, hidden: Tensor, pos: Tensor, attn_mask: Tensor | None = None,
-                    n_real: int | None = None):
+    def _draft_step(self, ids: Tensor, hidden: Tensor | None, pos: Tensor, attn_mask: Tensor | None = None,
+                    n_real: int | None = None, taps: Tensor | None = None):
         """One drafting step of ``n`` new entries (``attn_mask [1, n, L + n]``; None = causal). With static
-        shapes, rows past ``n_real`` are padding: written past the kept entries and never seen by real rows."""
+        shapes, rows past ``n_real`` are padding: written past the kept entries and never seen by real rows.
+        ``taps [1, n, 3*Ht]`` (static shapes, causal) replaces ``hidden``: fused inside the step."""
         if not self.static_shapes:
             return self.drafter.step(ids, hidden, self.cache, position_ids=pos, attn_mask=attn_mask)
         L, n, cap = self.cache.length, ids.shape[1], self.cache.max_len
         if L + n > cap:
             raise ValueError(f"draft cache overflow: {L} + {n} > {cap}")
-        slots = torch.arange(cap, device=self.device)
-        if attn_mask is None:  # causal: row r (slot L + r) sees slots <= L + r
-            full = (slots[None, :] <= (L + torch.arange(n, device=self.device))[:, None])[None]
+        if attn_mask is None:  # causal, slot = position: everything but the inputs is built in the step
+            slots = self.__dict__.get("_slots")
+            if slots is None or slots.shape[0] != cap:
+                slots = self._slots = torch.arange(cap, device=self.device)
+            out = self._step_chain(self.drafter, ids, hidden, self.cache.k, self.cache.v, slots[L], taps)
         else:
             full = torch.zeros(1, n, cap, dtype=torch.bool, device=self.device)
             full[:, :, : L + n] = attn_mask.to(self.device)
-        write = torch.arange(L, L + n, device=self.device)
-        out = self._step_static(self.drafter, ids, hidden, self.cache.k, self.cache.v, pos, write, full)
+            write = torch.arange(L, L + n, device=self.device)
+            out = self._step_static(self.drafter, ids, hidden, self.cache.k, self.cache.v, pos, write, full)
         self.cache.length = L + (n if n_real is None else int(n_real))
         return out
 
@@ -444,22 +463,26 @@ class Eagle3ChainProposer:
     @torch.no_grad()
     def _extend(self, ids: list[int], taps: Tensor, start: int) -> None:
         """Write entries ``start..start+len(ids)-1`` from target taps ``[len, D]`` and tokens ``ids``."""
-        hidden = self.drafter.fuse(taps.to(self.device, self.dtype).unsqueeze(0))  # [1, n, H]
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
-        pos = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
+        taps = taps.to(self.device, self.dtype).unsqueeze(0)  # [1, n, 3*Ht]
         n = len(ids)
         if self.static_shapes and n <= _EXTEND_PAD:
-            # a round's rebuild (a + 1 entries): padded to a power of two, one static shape per size
-            B = 1 << (n - 1).bit_length()
-            pad = B - n
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(1, pad)], dim=1)
-            hidden = torch.cat([hidden, hidden.new_zeros(1, pad, hidden.shape[-1])], dim=1)
-            pos = torch.cat([pos, pos.new_full((1, pad), start)], dim=1)
-            logits, out_hidden = self._draft_step(input_ids, hidden, pos, n_real=n)
+            # a round's rebuild (a + 1 entries): padded to a power of two, one static shape per size; the
+            # features are fused inside the (compiled) step
+            if self.cache.length != start:  # the step writes at the cache's end: slot = position
+                raise RuntimeError(f"drafter cache holds {self.cache.length} entries, rebuild starts at {start}")
+            pad = (1 << (n - 1).bit_length()) - n
+            input_ids = torch.tensor([ids + [0] * pad], dtype=torch.long, device=self.device)
+            if pad:
+                taps = torch.cat([taps, taps.new_zeros(1, pad, taps.shape[-1])], dim=1)
+            logits, out_hidden = self._draft_step(input_ids, None, None, n_real=n, taps=taps)
         else:  # the prompt: eager, any length
-            logits, out_hidden = self.drafter.step(input_ids, hidden, self.cache, position_ids=pos)
+            input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
+            pos = torch.arange(start, start + n, device=self.device).unsqueeze(0)
+            logits, out_hidden = self.drafter.step(input_ids, self.drafter.fuse(taps), self.cache, position_ids=pos)
         self._next_logits = logits[0, n - 1]
-        self._next_hidden = out_hidden[:, n - 1 : n]
+        # a fresh [1, 1, H] tensor: a slice of out_hidden would carry its strides, and a compiled step
+        # (guarded on strides) would recompile for every length of this rebuild (every prompt length)
+        self._next_hidden = out_hidden[:, n - 1 : n].clone(memory_format=torch.contiguous_format)
         self._n = start + n
 
     def prefill(self, prompt_ids, target_taps, first_token) -> None:
@@ -493,7 +516,7 @@ class Eagle3ChainProposer:
                 if not _draft_token(z, sampling, grammar, drafts, qs):
                     break
                 if i + 1 < k:
-                    pos = torch.tensor([[self._n + i]], device=self.device)
+                    pos = None if self.static_shapes else torch.tensor([[self._n + i]], device=self.device)
                     out, hidden = self._draft_step(drafts[-1].reshape(1, 1), hidden, pos)
                     logits = out[0, -1]
         if not drafts:
