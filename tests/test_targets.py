@@ -94,20 +94,26 @@ def test_any_causal_lm_loads_and_taps(arch, tmp_path, tiny_builtin_target):
     assert feats.shape == (1, ids.shape[1], 3 * cfg.hidden_size)
 
 
-def test_bad_targets_and_taps(tmp_path):
-    with pytest.raises(DraftTrainError, match="no such directory"):
-        load_target(TargetConfig(name_or_path=str(tmp_path / "missing")))
+def _bad_target_dirs(tmp_path):
+    """Directories a target loader must refuse: missing, not a causal LM, a config without weights."""
     (tmp_path / "notlm").mkdir()
     (tmp_path / "notlm" / "config.json").write_text(json.dumps({"model_type": "resnet"}))
-    with pytest.raises(DraftTrainError, match="not a causal language model|cannot load"):
-        load_target(TargetConfig(name_or_path=str(tmp_path / "notlm")))
     (tmp_path / "noweights").mkdir()
     (tmp_path / "noweights" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 16,
                                                                     "hidden_size": 8, "num_hidden_layers": 1,
                                                                     "num_attention_heads": 2,
                                                                     "intermediate_size": 8}))
+    return [str(tmp_path / d) for d in ("missing", "notlm", "noweights")]
+
+
+def test_bad_targets_and_taps(tmp_path):
+    missing, notlm, noweights = _bad_target_dirs(tmp_path)
+    with pytest.raises(DraftTrainError, match="no such directory"):
+        load_target(TargetConfig(name_or_path=missing))
+    with pytest.raises(DraftTrainError, match="not a causal language model|cannot load"):
+        load_target(TargetConfig(name_or_path=notlm))
     with pytest.raises(DraftTrainError, match="cannot load the model weights"):
-        load_target(TargetConfig(name_or_path=str(tmp_path / "noweights")))
+        load_target(TargetConfig(name_or_path=noweights))
     with pytest.raises(DraftTrainError, match="out of range"):
         resolve_taps(8, [2, 4, 9])
     with pytest.raises(DraftTrainError, match="exactly 3"):
@@ -183,18 +189,12 @@ def test_target_parts_fall_back_to_the_whole_target(tmp_path, tiny_builtin_targe
 def test_target_parts_refuse_bad_targets_like_load_target(tmp_path):
     from drafttrain.targets.load import load_target_parts
 
+    missing, notlm, noweights = _bad_target_dirs(tmp_path)
     with pytest.raises(DraftTrainError, match="no such directory"):
-        load_target_parts(TargetConfig(name_or_path=str(tmp_path / "missing")))
-    (tmp_path / "notlm").mkdir()
-    (tmp_path / "notlm" / "config.json").write_text(json.dumps({"model_type": "resnet"}))
+        load_target_parts(TargetConfig(name_or_path=missing))
     with pytest.raises(DraftTrainError, match="not a causal language model|cannot load"):
-        load_target_parts(TargetConfig(name_or_path=str(tmp_path / "notlm")))
-    (tmp_path / "noweights").mkdir()
-    (tmp_path / "noweights" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 16,
-                                                                    "hidden_size": 8, "num_hidden_layers": 1,
-                                                                    "num_attention_heads": 2,
-                                                                    "intermediate_size": 8}))
+        load_target_parts(TargetConfig(name_or_path=notlm))
     notes = []
     with pytest.raises(DraftTrainError, match="cannot load the model weights"):
-        load_target_parts(TargetConfig(name_or_path=str(tmp_path / "noweights")), say=notes.append)
+        load_target_parts(TargetConfig(name_or_path=noweights), say=notes.append)
     assert notes and "no safetensors checkpoint" in notes[0]
