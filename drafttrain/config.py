@@ -85,6 +85,10 @@ class Eagle3Config:
     draft_vocab_size: Optional[int] = None  # default min(32000, V//2)
     ttt_steps: int = 7
     step_decay: float = 0.8
+    loss: str = "ce"  # ce (soft cross-entropy, EAGLE-3's) | tv (total variation = 1 - acceptance) | lk_hybrid
+    # teacher over the draft vocabulary only (lm_head rows by d2t) + the full log-normaliser and argmax in
+    # vocabulary chunks: the [B, T, V] float32 target logits are never built (same loss; less memory)
+    compact_teacher: bool = True
 
 
 @dataclass
@@ -154,6 +158,9 @@ class TrainConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 0.5
     mixed_precision: str = "auto"  # auto | no | bf16 | fp16 (auto: bf16 on CUDA, no on CPU)
+    # pack each micro-batch's conversations into rows of up to data.max_length tokens (documents isolated by
+    # position restarts; the same loss as one conversation per padded row, with far less padding)
+    packing: bool = True
     seed: int = 0
     save_every: int = 0  # optimizer steps between checkpoints (0: only at the end)
     keep_checkpoints: int = 2

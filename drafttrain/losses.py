@@ -1,32 +1,145 @@
-"""EAGLE-3 training-time-test loss and metrics (alignment: docs/design.md, "EAGLE-3 alignment").
+"""Training losses and metrics of every drafter family: EAGLE-3 training-time test (TTT), Medusa heads,
+distillation (KD divergences, plain CE). Alignment: docs/design.md, "EAGLE-3 alignment".
 
-Drafter step i at index t predicts x_{t+2+i}; its teacher is the target distribution at position t+1+i.
-Per step, this module returns *sums* over valid positions; the caller divides by the number of valid
+EAGLE-3 drafter step i at index t predicts x_{t+2+i}; its teacher is the target distribution at position
+t+1+i. Per step, this module returns *sums* over valid positions; the caller divides by the number of valid
 positions of the whole optimizer step (all micro-batches and ranks) via :func:`combine_step_losses`.
+
+Packed rows (drafttrain.data.packing): every mask takes the batch's optional ``doc_ids``; a position is
+scored only if the token it predicts lies in its own document (:func:`same_document`).
+
+The EAGLE-3 teacher is compact (:class:`Eagle3Teacher`): the target's logits over the draft vocabulary
+only, plus the full-vocabulary log-normaliser and argmax, which :func:`teacher_from_hidden` computes in
+vocabulary chunks, so the ``[B, T, V]`` float32 logits of a large vocabulary are never built.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-__all__ = ["eagle3_valid_mask", "eagle3_step_stats", "combine_step_losses", "step_weights"]
+__all__ = ["eagle3_valid_mask", "eagle3_step_stats", "combine_step_losses", "step_weights", "same_document",
+           "Eagle3Teacher", "teacher_from_logits", "teacher_from_hidden", "EAGLE3_LOSSES"]
+
+# EAGLE-3 step losses: soft cross-entropy to the renormalised teacher on the draft vocabulary (EAGLE-3's
+# own, = forward KL up to a constant), total variation to the full teacher (1 - the acceptance
+# probability), and the LK-style hybrid (mean of the two)
+EAGLE3_LOSSES = ("ce", "tv", "lk_hybrid")
+
+
+def same_document(doc_ids: torch.Tensor | None, offset: int, shape: tuple[int, int] | None = None,
+                  device=None) -> torch.Tensor | None:
+    """``[B, T]`` bool: ``doc_ids[:, t] == doc_ids[:, t + offset]`` (False where ``t + offset >= T``);
+    ``None`` when ``doc_ids`` is ``None`` (one document per row: nothing to exclude)."""
+    if doc_ids is None:
+        return None
+    B, T = doc_ids.shape
+    out = torch.zeros(B, T, dtype=torch.bool, device=doc_ids.device)
+    o = int(offset)
+    if 0 <= o < T:
+        out[:, : T - o] = doc_ids[:, : T - o] == doc_ids[:, o:]
+    return out
+
+
+def _and_doc(valid: torch.Tensor, doc_ids: torch.Tensor | None, offset: int) -> torch.Tensor:
+    same = same_document(doc_ids, offset)
+    return valid if same is None else valid & same.to(valid.device)
 
 
 def _draft_target_ids(d2t: torch.Tensor) -> torch.Tensor:
     return torch.arange(d2t.numel(), device=d2t.device) + d2t.long()
 
 
+@dataclass
+class Eagle3Teacher:
+    """The target's next-token distributions as EAGLE-3's loss reads them, without ``[B, T, V]``:
+
+    ``logits`` ``[B, T, Vd]`` float32 (target logits of the draft vocabulary, in draft-id order), ``lse``
+    ``[B, T]`` float32 (log-sum-exp over the *full* target vocabulary) and ``top`` ``[B, T]`` long (the
+    full-vocabulary argmax, a target id)."""
+
+    logits: torch.Tensor
+    lse: torch.Tensor
+    top: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.logits.shape[:2] != self.lse.shape or self.lse.shape != self.top.shape:
+            raise ValueError(f"teacher shapes disagree: logits {tuple(self.logits.shape)}, lse "
+                             f"{tuple(self.lse.shape)}, top {tuple(self.top.shape)}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.top.shape
+
+
+def teacher_from_logits(target_logits: torch.Tensor, d2t: torch.Tensor) -> Eagle3Teacher:
+    """The compact teacher of full-vocabulary logits ``[B, T, V]`` (the reference for
+    :func:`teacher_from_hidden`; offline features and tests)."""
+    x = target_logits.detach()
+    ids = _draft_target_ids(d2t).to(x.device)
+    return Eagle3Teacher(logits=x[..., ids].float(), lse=torch.logsumexp(x.float(), dim=-1), top=x.argmax(-1))
+
+
+@torch.no_grad()
+def teacher_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, d2t: torch.Tensor,
+                        bias: torch.Tensor | None = None, softcap: float | None = None,
+                        chunk: int = 16384) -> Eagle3Teacher:
+    """The compact teacher from the lm_head input ``hidden`` ``[B, T, H]`` and the head's ``weight``
+    ``[V, H]`` (and ``bias``): draft-vocabulary rows selected by ``d2t``; the full log-normaliser and
+    argmax accumulated over vocabulary chunks of ``chunk`` rows (peak extra memory ``[B, T, chunk]``).
+    ``softcap`` applies Gemma-style final-logit soft-capping ``c * tanh(x / c)`` first."""
+    V = weight.shape[0]
+    h = hidden.to(weight.dtype)
+
+    def logits_of(rows: torch.Tensor | slice) -> torch.Tensor:
+        w = weight[rows]
+        x = torch.matmul(h, w.t())
+        if bias is not None:
+            x = x + bias[rows]
+        x = x.float()
+        if softcap:
+            x = float(softcap) * torch.tanh(x / float(softcap))
+        return x
+
+    ids = _draft_target_ids(d2t).to(weight.device)
+    draft = logits_of(ids)
+    lse = top = best = None
+    for start in range(0, V, int(chunk)):
+        x = logits_of(slice(start, min(V, start + int(chunk))))
+        m, arg = x.max(-1)
+        c_lse = torch.logsumexp(x, dim=-1)
+        if lse is None:
+            lse, best, top = c_lse, m, arg + start
+        else:
+            lse = torch.logaddexp(lse, c_lse)
+            better = m > best  # strict: ties keep the earlier (lower) id, as argmax over the full row does
+            best = torch.where(better, m, best)
+            top = torch.where(better, arg + start, top)
+    return Eagle3Teacher(logits=draft, lse=lse, top=top)
+
+
+def _as_teacher(target, d2t: torch.Tensor | None) -> Eagle3Teacher:
+    if isinstance(target, Eagle3Teacher):
+        return target
+    if d2t is None:
+        raise ValueError("full-vocabulary teacher logits need d2t")
+    return teacher_from_logits(target, d2t)
+
+
 def eagle3_valid_mask(
     input_len: int,
     attention_mask: torch.Tensor,
     loss_mask: torch.Tensor,
-    target_logits: torch.Tensor,
+    target: torch.Tensor | Eagle3Teacher,
     t2d: torch.Tensor,
     step: int,
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, T]`` bool: valid iff ``t+2+i < T``, ``attention_mask[t+2+i]`` and ``loss_mask[t+2+i]`` are 1,
-    and ``argmax(target_logits[t+1+i])`` is in the draft vocabulary (``t2d``)."""
+    ``argmax`` of the target at ``t+1+i`` is in the draft vocabulary (``t2d``), and (packed rows) ``t+2+i`` lies
+    in the document of ``t``. ``target``: full logits ``[B, T, V]`` or an :class:`Eagle3Teacher`."""
     T = int(input_len)
     B = attention_mask.shape[0]
     i = int(step)
@@ -36,57 +149,74 @@ def eagle3_valid_mask(
         return valid
     am = attention_mask[:, 2 + i :].bool()
     lm = loss_mask[:, 2 + i :].bool()
-    top = target_logits[:, 1 + i : 1 + i + n].argmax(-1)  # [B, n]
+    top_all = target.top if isinstance(target, Eagle3Teacher) else target.argmax(-1)
+    top = top_all[:, 1 + i : 1 + i + n]  # [B, n]
     in_vocab = t2d.to(top.device)[top]
     valid[:, :n] = am & lm & in_vocab.to(valid.device)
-    return valid
+    return _and_doc(valid, doc_ids, 2 + i)
 
 
 def eagle3_step_stats(
     draft_logits: torch.Tensor,
-    target_logits: torch.Tensor,
+    target: torch.Tensor | Eagle3Teacher,
     valid: torch.Tensor,
     d2t: torch.Tensor,
     t2d: torch.Tensor,
     step: int,
+    loss: str = "ce",
 ) -> dict[str, torch.Tensor]:
     """Sums over the valid positions of one TTT step.
 
-    - ``loss_sum``: soft cross-entropy ``-sum_x p(x) log q(x)`` with ``p`` the teacher softmax restricted to
-      the draft vocabulary (renormalised) and ``q`` the draft softmax (differentiable);
+    - ``loss_sum`` (differentiable), by ``loss``:
+      ``ce``: soft cross-entropy ``-sum_x p(x) log q(x)`` with ``p`` the teacher softmax restricted to the
+      draft vocabulary (renormalised) and ``q`` the draft softmax;
+      ``tv``: total variation ``1 - sum_x min(p_full(x), q(x))`` against the full-vocabulary teacher (the
+      draft puts no mass outside its vocabulary): 1 - the acceptance probability of a sampled draft token;
+      ``lk_hybrid``: ``(ce + tv) / 2`` (CE's dense gradient early, TV's acceptance objective);
     - ``acc_sum``: draft argmax (mapped through ``d2t``) == full-vocabulary teacher argmax;
-    - ``accept_sum``: ``sum_x min(p_full(x), q(x))`` with ``p_full`` the teacher softmax over the full target
-      vocabulary: the T=1 acceptance probability (1 - total variation distance);
+    - ``accept_sum``: ``sum_x min(p_full(x), q(x))``: the T=1 acceptance probability;
     - ``count``: number of valid positions.
 
-    Only the valid rows are gathered, so nothing larger than ``[B, T, V]`` is materialised (in float32 when
-    the inputs are lower precision).
+    ``target``: full logits ``[B, T, V]`` or the compact :class:`Eagle3Teacher`. Only the valid rows are
+    gathered before the float32 softmaxes.
     """
+    if loss not in EAGLE3_LOSSES:
+        raise ValueError(f"unknown EAGLE-3 loss {loss!r}; expected one of {EAGLE3_LOSSES}")
     B, T, _ = draft_logits.shape
     i = int(step)
-    if target_logits.shape[:2] != (B, T) or valid.shape != (B, T):
+    teacher = _as_teacher(target, d2t)
+    if teacher.shape != (B, T) or valid.shape != (B, T):
         raise ValueError(
-            f"shape mismatch: draft {tuple(draft_logits.shape)}, target {tuple(target_logits.shape)}, "
+            f"shape mismatch: draft {tuple(draft_logits.shape)}, target {tuple(teacher.shape)}, "
             f"valid {tuple(valid.shape)}"
         )
-    if target_logits.shape[-1] != t2d.numel() or draft_logits.shape[-1] != d2t.numel():
+    if not isinstance(target, Eagle3Teacher) and target.shape[-1] != t2d.numel():
+        raise ValueError("vocabulary sizes of the logits do not match d2t/t2d")
+    if draft_logits.shape[-1] != d2t.numel() or teacher.logits.shape[-1] != d2t.numel():
         raise ValueError("vocabulary sizes of the logits do not match d2t/t2d")
     valid = valid.bool()
     n = max(T - 1 - i, 0)
     if n < T and bool(valid[:, n:].any()):
         raise ValueError(f"valid mask marks indices t >= T-1-step ({n}) that have no teacher")
     v = valid[:, :n]
-    q_logits = draft_logits[:, :n][v].float()                 # [N, Vd]
-    p_logits = target_logits.detach()[:, 1 + i : 1 + i + n][v].float()  # [N, V]; the teacher is a constant
+    q_logits = draft_logits[:, :n][v].float()                          # [N, Vd]
+    sl = slice(1 + i, 1 + i + n)
+    p_logits = teacher.logits.detach()[:, sl][v].float()               # [N, Vd]; the teacher is a constant
+    p_lse = teacher.lse.detach()[:, sl][v].float()                     # [N]
+    p_top = teacher.top[:, sl][v]                                      # [N]
     ids = _draft_target_ids(d2t).to(p_logits.device)
 
     log_q = torch.log_softmax(q_logits, dim=-1)
-    p_draft = torch.softmax(p_logits[:, ids], dim=-1)
-    loss_sum = -(p_draft * log_q).sum()
+    p_full_on_draft = torch.exp(p_logits - p_lse[:, None])             # full-vocabulary probabilities
+    if loss == "ce" or loss == "lk_hybrid":
+        p_draft = torch.softmax(p_logits, dim=-1)
+        ce_sum = -(p_draft * log_q).sum()
+    if loss == "tv" or loss == "lk_hybrid":
+        tv_sum = (1.0 - torch.minimum(p_full_on_draft, log_q.exp()).sum(-1)).sum()
+    loss_sum = ce_sum if loss == "ce" else tv_sum if loss == "tv" else 0.5 * (ce_sum + tv_sum)
 
     with torch.no_grad():
-        acc_sum = (ids[q_logits.argmax(-1)] == p_logits.argmax(-1)).sum().float()
-        p_full_on_draft = torch.softmax(p_logits, dim=-1)[:, ids]
+        acc_sum = (ids[q_logits.argmax(-1)] == p_top).sum().float()
         accept_sum = torch.minimum(p_full_on_draft, log_q.exp()).sum()
     count = torch.tensor(float(q_logits.shape[0]), device=loss_sum.device)
     return {"loss_sum": loss_sum, "acc_sum": acc_sum, "accept_sum": accept_sum, "count": count}
@@ -120,8 +250,6 @@ def combine_step_losses(
 # (head 0 = two tokens ahead; the target's own lm_head covers t+1). Valid iff t+2+k < T, attention_mask[t]
 # and attention_mask / loss_mask at t+2+k are 1.
 
-import math  # noqa: E402  (kept inside the appended section)
-
 __all__ += [
     "medusa_valid_mask",
     "medusa_head_stats",
@@ -138,15 +266,16 @@ __all__ += [
 ]
 
 
-def medusa_valid_mask(attention_mask: torch.Tensor, loss_mask: torch.Tensor, head: int) -> torch.Tensor:
-    """``[B, T]`` bool: position t of head ``head`` is scored on token ``t+2+head``."""
+def medusa_valid_mask(attention_mask: torch.Tensor, loss_mask: torch.Tensor, head: int,
+                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, T]`` bool: position t of head ``head`` is scored on token ``t+2+head`` (in t's document)."""
     B, T = attention_mask.shape
     off = 2 + int(head)
     valid = torch.zeros(B, T, dtype=torch.bool, device=attention_mask.device)
     n = T - off
     if n > 0:
         valid[:, :n] = attention_mask[:, :n].bool() & attention_mask[:, off:].bool() & loss_mask[:, off:].bool()
-    return valid
+    return _and_doc(valid, doc_ids, off)
 
 
 def medusa_head_stats(
@@ -155,6 +284,7 @@ def medusa_head_stats(
     loss_mask: torch.Tensor,
     attention_mask: torch.Tensor,
     topk: int = 5,
+    doc_ids: torch.Tensor | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Per-head sums over valid positions (for normalising by a global count, like the EAGLE-3 loss).
 
@@ -172,7 +302,7 @@ def medusa_head_stats(
         logits = head_logits[k]
         if logits.shape[:2] != (B, T):
             raise ValueError(f"head {k} logits {tuple(logits.shape)} do not match input_ids {(B, T)}")
-        valid = medusa_valid_mask(attention_mask, loss_mask, k).to(logits.device)
+        valid = medusa_valid_mask(attention_mask, loss_mask, k, doc_ids).to(logits.device)
         off = 2 + k
         labels = torch.zeros_like(input_ids)
         if T > off:
@@ -305,14 +435,16 @@ def _kd_one(kind: str, student: torch.Tensor, teacher: torch.Tensor, beta: float
     raise ValueError(f"unknown KD divergence {kind!r}; expected one of {KD_KINDS}")
 
 
-def next_token_mask(attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def next_token_mask(attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                    doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, T]`` bool: the logits at position t (which predict x_{t+1}) are scored iff t+1 < T,
-    ``attention_mask[t]`` and ``attention_mask`` / ``loss_mask`` at t+1 are 1."""
+    ``attention_mask[t]`` and ``attention_mask`` / ``loss_mask`` at t+1 are 1 (and, packed, t+1 is in t's
+    document)."""
     B, T = attention_mask.shape
     valid = torch.zeros(B, T, dtype=torch.bool, device=attention_mask.device)
     if T > 1:
         valid[:, :-1] = attention_mask[:, :-1].bool() & attention_mask[:, 1:].bool() & loss_mask[:, 1:].bool()
-    return valid
+    return _and_doc(valid, doc_ids, 1)
 
 
 def kd_loss(
@@ -373,13 +505,14 @@ def ce_loss(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     loss_mask: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Plain next-token cross-entropy on the data (the KD baseline), averaged over the positions of
     :func:`next_token_mask`. Stats: ``loss_sum`` (differentiable), ``count``, ``top1_sum``."""
     B, T = input_ids.shape
     if logits.shape[:2] != (B, T):
         raise ValueError(f"logits {tuple(logits.shape)} do not match input_ids {(B, T)}")
-    valid = next_token_mask(attention_mask, loss_mask).to(logits.device)
+    valid = next_token_mask(attention_mask, loss_mask, doc_ids).to(logits.device)
     labels = torch.zeros_like(input_ids)
     labels[:, :-1] = input_ids[:, 1:]
     x = logits[valid].float()

@@ -234,11 +234,15 @@ def ttt_attention(
     return out.reshape(B, Hq, T, D)
 
 
-def _causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` (1 = real) -> ``[B, T, T]``: key s visible to query t iff s <= t and s is real."""
+def _causal_padding_mask(attention_mask: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, T]`` (1 = real) -> ``[B, T, T]``: key s visible to query t iff s <= t and s is real (and, for
+    packed rows, s lies in t's document)."""
     B, T = attention_mask.shape
     causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
-    return causal[None] & attention_mask.to(torch.bool)[:, None, :]
+    mask = causal[None] & attention_mask.to(torch.bool)[:, None, :]
+    if doc_ids is not None:
+        mask = mask & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    return mask
 
 
 def ttt_reference_mask(T: int, step: int, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -511,9 +515,10 @@ class Eagle3Drafter(nn.Module):
         return out
 
     # ------------------------------------------------------------------ training (TTT)
-    def forward(self, input_ids, taps, attention_mask, ttt_steps: int):
+    def forward(self, input_ids, taps, attention_mask, ttt_steps: int, position_ids=None, doc_ids=None):
         """Training forward (the TTT unroll), so DDP/DeepSpeed/FSDP wrappers see a normal ``forward``."""
-        return self.ttt_forward(input_ids, taps, attention_mask, ttt_steps)
+        return self.ttt_forward(input_ids, taps, attention_mask, ttt_steps, position_ids=position_ids,
+                                doc_ids=doc_ids)
 
     def ttt_forward(
         self,
@@ -523,8 +528,14 @@ class Eagle3Drafter(nn.Module):
         ttt_steps: int,
         attention_impl: str = "efficient",
         return_hidden: bool = False,
+        position_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
     ):
         """Unroll ``ttt_steps`` drafting steps (docs/design.md, "EAGLE-3 alignment").
+
+        Packed rows (drafttrain.data.packing) pass ``position_ids`` (restarting per document) and ``doc_ids``:
+        step-0 keys are then visible only inside a query's document; the later steps' keys sit at the
+        query's own index, so they are always its document's.
 
         Returns a list of per-step draft logits ``[B, T, Vd]`` (and, with ``return_hidden``, the list of
         per-step output hidden states ``[B, T, H]``). ``attention_impl="reference"`` uses the explicit
@@ -543,8 +554,10 @@ class Eagle3Drafter(nn.Module):
         device = input_ids.device
         hidden = self.fuse(taps)
         dtype = hidden.dtype
-        mask0 = _causal_padding_mask(attention_mask)
-        pos = torch.arange(T, device=device)
+        if attention_impl == "reference" and doc_ids is not None:
+            raise ValueError("attention_impl='reference' does not take packed rows (doc_ids)")
+        mask0 = _causal_padding_mask(attention_mask, doc_ids)
+        pos = torch.arange(T, device=device) if position_ids is None else position_ids.to(device)
         k0: list[torch.Tensor | None] = [None] * len(self.layers)
         v0: list[torch.Tensor | None] = [None] * len(self.layers)
         kd: list[list[torch.Tensor]] = [[] for _ in self.layers]

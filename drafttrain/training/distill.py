@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..data.packing import lm_inputs
 from ..drafters.draft_lm import build_draft_lm, on_policy_records, sample_on_policy
 from ..io import DraftTrainError, atomic_dir
 from ..losses import KD_KINDS, ce_loss, kd_loss, next_token_mask
@@ -71,8 +72,9 @@ class DraftLM(nn.Module):
         self.target_name = target_name
         self.lora = lora
 
-    def forward(self, input_ids, attention_mask=None):
-        return self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).logits
 
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
@@ -199,7 +201,7 @@ class DistillMethod:
     # ---- capture / counts / loss
     @torch.no_grad()
     def capture(self, target_model, batch) -> Capture:
-        out = target_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        out = target_model(input_ids=batch["input_ids"], **lm_inputs(batch), use_cache=False)
         return Capture(teacher_logits=out.logits.float())
 
     # capture.mode=offline: teacher logits recomputed with the target's lm_head from the stored last hidden
@@ -221,16 +223,16 @@ class DistillMethod:
         return Capture(teacher_logits=head(feats["last_hidden"].to(head.weight.dtype)).float())
 
     def count_valid(self, drafter, batch, cap) -> torch.Tensor:
-        return next_token_mask(batch["attention_mask"], batch["loss_mask"]).sum().float().reshape(1)
+        return next_token_mask(batch["attention_mask"], batch["loss_mask"], batch.get("doc_ids")).sum().float().reshape(1)
 
     def loss(self, model, drafter, batch, cap: Capture, global_counts: torch.Tensor, scale: float):
-        ids, am, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-        logits = model(ids, am)
-        mask = next_token_mask(am, lmask)
+        ids, am, lmask, doc = batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch.get("doc_ids")
+        logits = model(ids, **lm_inputs(batch))
+        mask = next_token_mask(am, lmask, doc)
         n = global_counts[0].clamp_min(1.0)
         stats: dict[str, torch.Tensor] = {}
         if self.kind == "ce":
-            _, st = ce_loss(logits, ids, am, lmask)
+            _, st = ce_loss(logits, ids, am, lmask, doc)
             loss_sum = st["loss_sum"]
             with torch.no_grad():  # how well the CE-trained draft matches the target (for the comparison)
                 _, kst = kd_loss(logits.detach(), cap.teacher_logits, mask, kind="fkl")

@@ -10,17 +10,31 @@ from dataclasses import dataclass
 
 import torch
 
+from ..data.packing import lm_inputs
 from ..data.vocab import build_draft_vocab, count_assistant_tokens, default_draft_vocab_size
 from ..drafters.eagle3 import Eagle3Drafter
 from ..io import DraftTrainError
-from ..losses import combine_step_losses, eagle3_step_stats, eagle3_valid_mask, step_weights
+from ..losses import (EAGLE3_LOSSES, Eagle3Teacher, combine_step_losses, eagle3_step_stats, eagle3_valid_mask,
+                      step_weights, teacher_from_hidden, teacher_from_logits)
 from ..targets.load import num_layers, resolve_taps
 
 
 @dataclass
 class Capture:
     taps: torch.Tensor  # [B, T, 3H]
-    logits: torch.Tensor  # [B, T, V]
+    teacher: Eagle3Teacher  # the target's distributions, compact (draft-vocabulary logits + full lse/argmax)
+
+
+def _softcap(model) -> float | None:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(cfg, "final_logit_softcapping", None) or None
+
+
+def compact_teacher(target_model, hidden: torch.Tensor, d2t: torch.Tensor) -> Eagle3Teacher:
+    """The teacher from the lm_head input ``hidden`` (the target's last, post-norm hidden state)."""
+    head = target_model.get_output_embeddings()
+    return teacher_from_hidden(hidden, head.weight, d2t.to(head.weight.device), bias=getattr(head, "bias", None),
+                               softcap=_softcap(target_model))
 
 
 class Eagle3Method:
@@ -34,6 +48,10 @@ class Eagle3Method:
             raise DraftTrainError(f"eagle3.ttt_steps={self.ttt_steps}: must be >= 1")
         self.weights = step_weights(self.ttt_steps, cfg.step_decay)
         self.eos_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
+        if cfg.loss not in EAGLE3_LOSSES:
+            raise DraftTrainError(f"eagle3.loss={cfg.loss}: expected one of {', '.join(EAGLE3_LOSSES)}")
+        self.loss_kind = cfg.loss
+        self.compact = bool(cfg.compact_teacher)
 
     def build_drafter(self, target_model, examples, target_name: str) -> Eagle3Drafter:
         V = target_model.get_output_embeddings().weight.shape[0]
@@ -42,6 +60,7 @@ class Eagle3Method:
             raise DraftTrainError(f"eagle3.draft_vocab_size={size} is larger than the target vocabulary ({V})")
         counts = count_assistant_tokens(examples, V)
         d2t, t2d = build_draft_vocab(counts, size, always_include=self.eos_ids)
+        self.d2t = d2t  # the teacher's draft-vocabulary rows (capture)
         coverage = counts[t2d].sum().item() / max(1, counts.sum().item())
         self.vocab_coverage = coverage
         return Eagle3Drafter.from_target(
@@ -57,28 +76,40 @@ class Eagle3Method:
 
     @torch.no_grad()
     def capture(self, target_model, batch) -> Capture:
-        out = target_model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
-            use_cache=False,
-        )
+        """The target's forward (its decoder only with the compact teacher: the lm_head is applied to the
+        draft vocabulary and, for the log-normaliser and argmax, in vocabulary chunks)."""
+        d2t = self.d2t
+        decoder = target_model.get_decoder() if self.compact else target_model
+        if decoder is target_model:  # no separable decoder (or eagle3.compact_teacher=false): full logits
+            out = target_model(input_ids=batch["input_ids"], **lm_inputs(batch), output_hidden_states=True,
+                               use_cache=False)
+            teacher = teacher_from_logits(out.logits, d2t.to(out.logits.device))
+        else:
+            out = decoder(input_ids=batch["input_ids"], **lm_inputs(batch), output_hidden_states=True,
+                          use_cache=False)
+            teacher = compact_teacher(target_model, out.last_hidden_state, d2t)
         taps = torch.cat([out.hidden_states[i] for i in self.taps], dim=-1)
-        return Capture(taps=taps, logits=out.logits.float())
+        return Capture(taps=taps, teacher=teacher)
 
     # capture.mode=offline: the loop reads these features of the batch's rows from the store
     offline_features = ("taps", "last_hidden")
 
     @torch.no_grad()
     def capture_from_features(self, target_model, batch, feats: dict) -> Capture:
-        """Offline capture: stored taps; teacher logits recomputed with the target's lm_head from the stored
+        """Offline capture: stored taps; the teacher recomputed with the target's lm_head from the stored
         last hidden state (the lm_head input), as in the online forward."""
+        d2t = self.d2t
+        if self.compact:
+            return Capture(taps=feats["taps"], teacher=compact_teacher(target_model, feats["last_hidden"], d2t))
         head = target_model.get_output_embeddings()
         logits = head(feats["last_hidden"].to(head.weight.dtype)).float()
-        return Capture(taps=feats["taps"], logits=logits)
+        return Capture(taps=feats["taps"], teacher=teacher_from_logits(logits, d2t.to(logits.device)))
 
     def valid_masks(self, drafter, batch, cap: Capture) -> list[torch.Tensor]:
         T = batch["input_ids"].shape[1]
         return [
-            eagle3_valid_mask(T, batch["attention_mask"], batch["loss_mask"], cap.logits, drafter.t2d, i)
+            eagle3_valid_mask(T, batch["attention_mask"], batch["loss_mask"], cap.teacher, drafter.t2d, i,
+                              doc_ids=batch.get("doc_ids"))
             for i in range(self.ttt_steps)
         ]
 
@@ -92,11 +123,13 @@ class Eagle3Method:
         Returns (scaled loss, stats dict of per-step sums).
         """
         step_logits = model(batch["input_ids"], cap.taps.to(next(drafter.parameters()).dtype),
-                            batch["attention_mask"], self.ttt_steps)
+                            batch["attention_mask"], self.ttt_steps, position_ids=batch.get("position_ids"),
+                            doc_ids=batch.get("doc_ids"))
         masks = self.valid_masks(drafter, batch, cap)
         sums, stats = [], {}
         for i, (logits, valid) in enumerate(zip(step_logits, masks)):
-            s = eagle3_step_stats(logits.float(), cap.logits, valid, drafter.d2t, drafter.t2d, i)
+            s = eagle3_step_stats(logits.float(), cap.teacher, valid, drafter.d2t, drafter.t2d, i,
+                                  loss=self.loss_kind)
             sums.append(s["loss_sum"])
             for k in ("loss_sum", "acc_sum", "accept_sum", "count"):
                 stats[f"{k}_{i}"] = torch.as_tensor(s[k]).detach().float()

@@ -136,6 +136,7 @@ def run_train(cfg) -> dict | None:
     from tqdm.auto import tqdm
 
     from ..data.chat import collate
+    from ..data.packing import collate_packed
     from ..targets.load import (
         is_partial,
         load_target,
@@ -247,7 +248,7 @@ def run_train(cfg) -> dict | None:
         rows = [[examples[i] for i in idx] for idx in mb_idx]
         if hasattr(method, "transform_examples"):  # e.g. on-policy rows sampled by the draft itself
             rows = method.transform_examples(drafter, rows, step, rank)
-        mbs = [collate(r, pad_id) for r in rows]
+        mbs = [collate_packed(r, pad_id, job.data.max_length) if tc.packing else collate(r, pad_id) for r in rows]
         mbs = [{k: v.to(accelerator.device) for k, v in mb.items()} for mb in mbs]
         caps = [_capture(method, model, mb, store, idx, examples) for mb, idx in zip(mbs, mb_idx)]
         counts = sum(method.count_valid(drafter, mb, cap) for mb, cap in zip(mbs, caps))
@@ -545,11 +546,25 @@ def _capture(method, model, mb, store, idx, examples):
     """Online: the target runs on the micro-batch. Offline: the stored features of its examples."""
     if store is None:
         return method.capture(model, mb)
-    lengths = mb["attention_mask"].sum(1).tolist()
+    from ..data.packing import pack_features
+
+    packed = "slots" in mb
+    if packed:
+        spans = [(r, c) for r, c in mb["slots"].tolist()]  # (row, first column) of each example
+        lengths = [int(((mb["doc_ids"][r] == mb["doc_ids"][r, c]) & (mb["attention_mask"][r] > 0)).sum())
+                   for r, c in spans]
+    else:
+        lengths = mb["attention_mask"].sum(1).tolist()
+        spans = [(b, 0) for b in range(len(lengths))]
     for b, i in enumerate(idx):  # stored features belong to the stored rows: refuse rewritten (on-policy) rows
+        r, c = spans[b] if b < len(spans) else (0, 0)
         if b >= len(lengths) or lengths[b] != len(examples[i]["input_ids"]) or \
-                mb["input_ids"][b, : lengths[b]].tolist() != examples[i]["input_ids"]:
+                mb["input_ids"][r, c: c + lengths[b]].tolist() != examples[i]["input_ids"]:
             raise DraftTrainError("capture.mode=offline: the method rewrote the training rows (on-policy data?); "
                                   "stored features cannot match them: use capture.mode=online")
-    feats = store.batch(idx, mb["input_ids"].shape[1], method.offline_features, device=mb["input_ids"].device)
-    return method.capture_from_features(model, mb, feats)
+    device = mb["input_ids"].device
+    if not packed:
+        return method.capture_from_features(model, mb, store.batch(idx, mb["input_ids"].shape[1],
+                                                                   method.offline_features, device=device))
+    feats = store.batch(idx, max(lengths), method.offline_features, device=device)
+    return method.capture_from_features(model, mb, {k: pack_features(v, lengths, mb) for k, v in feats.items()})

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..data.packing import lm_inputs
 from ..decoding.tree import medusa_choices_from_accuracy
 from ..drafters.medusa import MedusaHeads, add_lora, final_hidden, load_lora
 from ..io import DraftTrainError, atomic_dir, read_json, save_tensors, write_json
@@ -59,10 +60,10 @@ class MedusaTrainable(nn.Module):
         self.medusa_choices: list[list[int]] | None = None
         self.head_topk_accuracy: list[list[float]] | None = None
 
-    def forward(self, x, attention_mask=None):
+    def forward(self, x, attention_mask=None, position_ids=None):
         if not self.joint:
             return self.heads(x)
-        hidden, logits = final_hidden(self.peft, x, attention_mask)
+        hidden, logits = final_hidden(self.peft, x, attention_mask, position_ids=position_ids)
         return self.heads(hidden), logits
 
     def trainable_parameters(self):
@@ -203,13 +204,12 @@ class MedusaMethod:
     @torch.no_grad()
     def capture(self, target_model, batch) -> Capture:
         if not self.joint:
-            hidden, _ = final_hidden(target_model, batch["input_ids"], batch["attention_mask"])
+            hidden, _ = final_hidden(target_model, batch["input_ids"], **lm_inputs(batch))
             return Capture(hidden=hidden.detach(), base_logits=None)
         if not self.cfg.self_distillation:
             return Capture(hidden=None, base_logits=None)
         with self.peft.disable_adapter():
-            base = self.peft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             use_cache=False).logits
+            base = self.peft(input_ids=batch["input_ids"], **lm_inputs(batch), use_cache=False).logits
         return Capture(hidden=None, base_logits=base.float())
 
     # capture.mode=offline (Medusa-1): the stored last hidden state, the lm_head input that ``final_hidden``
@@ -227,19 +227,19 @@ class MedusaMethod:
         return Capture(hidden=feats["last_hidden"], base_logits=None)
 
     def count_valid(self, drafter, batch, cap) -> torch.Tensor:
-        am, lm = batch["attention_mask"], batch["loss_mask"]
-        counts = [medusa_valid_mask(am, lm, k).sum() for k in range(self.K)]
+        am, lm, doc = batch["attention_mask"], batch["loss_mask"], batch.get("doc_ids")
+        counts = [medusa_valid_mask(am, lm, k, doc).sum() for k in range(self.K)]
         if self.joint:
-            counts.append(next_token_mask(am, lm).sum())
+            counts.append(next_token_mask(am, lm, doc).sum())
         return torch.stack(counts).float()
 
     def loss(self, model, drafter, batch, cap: Capture, global_counts: torch.Tensor, scale: float):
-        ids, am, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        ids, am, lmask, doc = batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch.get("doc_ids")
         if self.joint:
-            head_logits, lm_logits = model(ids, am)
+            head_logits, lm_logits = model(ids, **lm_inputs(batch))
         else:
             head_logits = model(cap.hidden)
-        per = medusa_head_stats(head_logits, ids, lmask, am)
+        per = medusa_head_stats(head_logits, ids, lmask, am, doc_ids=doc)
         loss = combine_step_losses([s["ce_sum"] for s in per], list(global_counts[: self.K]), self.weights)
         stats: dict[str, torch.Tensor] = {}
         for k, s in enumerate(per):
@@ -247,10 +247,10 @@ class MedusaMethod:
             stats[f"top1_sum_{k}"] = s["top1_sum"].float()
             stats[f"top5_sum_{k}"] = s["top5_sum"].float()
             stats[f"count_{k}"] = s["count"].float()
-            for i, v in enumerate(self._rank_hits(head_logits[k], ids, am, lmask, k)):
+            for i, v in enumerate(self._rank_hits(head_logits[k], ids, am, lmask, k, doc)):
                 stats[f"rank_sum_{k}_{i}"] = v
         if self.joint:
-            mask = next_token_mask(am, lmask)
+            mask = next_token_mask(am, lmask, doc)
             if self.cfg.self_distillation:
                 _, st = kd_loss(lm_logits, cap.base_logits, mask, kind="fkl")
                 lm_sum = st["loss_sum"]
@@ -259,7 +259,7 @@ class MedusaMethod:
             else:
                 from ..losses import ce_loss
 
-                _, st = ce_loss(lm_logits, ids, am, lmask)
+                _, st = ce_loss(lm_logits, ids, am, lmask, doc)
                 lm_sum = st["loss_sum"]
                 stats["lm_agree_sum"] = st["top1_sum"].float()
                 stats["lm_accept_sum"] = torch.zeros(())
@@ -269,9 +269,9 @@ class MedusaMethod:
         return loss * scale, {k: torch.as_tensor(v).detach().float().cpu() for k, v in stats.items()}
 
     @torch.no_grad()
-    def _rank_hits(self, logits, ids, am, lmask, k) -> list[torch.Tensor]:
+    def _rank_hits(self, logits, ids, am, lmask, k, doc=None) -> list[torch.Tensor]:
         """Per rank i < tree_top_k: number of valid positions whose label is head k's i-th ranked token."""
-        valid = medusa_valid_mask(am, lmask, k).to(logits.device)
+        valid = medusa_valid_mask(am, lmask, k, doc).to(logits.device)
         off = 2 + k
         T = ids.shape[1]
         labels = torch.zeros_like(ids)
