@@ -11,7 +11,7 @@ Commands:
   bench         our decoder vs HF generate() / assisted / prompt lookup, and EAGLE-3 chain + tree (a table)
   tune          pick decode.num_draft_tokens or decode.tree.total_tokens from measured acceptance and costs
 
-Shorthands: ``target=<dir or hub name>`` (not a conf/target option) means ``target=hf
+Shorthands: ``target=<dir or hub name>`` (not a drafttrain/conf/target option) means ``target=hf
 target.name_or_path=<it>``; ``data=<file>.jsonl`` means ``data=jsonl data.path=<file>``.
 Errors caused by input or state print one line (``error: ...``) and exit with status 2.
 """
@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO_ROOT / "conf"
+# The Hydra configs ship inside the package (drafttrain/conf, recipes in drafttrain/conf/recipe), so a wheel
+# install finds them from any working directory. In a checkout, top-level conf/ and recipes/ link here.
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 def _group_options(group: str) -> set[str]:
@@ -103,6 +104,28 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
         GlobalHydra.instance().clear()
 
 
+# Hydra's own command-line flags whose value is the next argument (``--cfg job``, ``-p train``, ...);
+# ``--info`` takes one optionally.
+_HYDRA_FLAGS_WITH_VALUE = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name",
+                           "-cd", "--config-dir", "--experimental-rerun"}
+_HYDRA_INFO_VALUES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+
+
+def _without_hydra_flags(args: list[str]) -> list[str]:
+    """The overrides in ``args``: Hydra's flags (``--cfg job``, ``--info``, ``-m`` ...) and their values dropped."""
+    out: list[str] = []
+    it = iter(range(len(args)))
+    for i in it:
+        arg = args[i]
+        if not arg.startswith("-"):
+            out.append(arg)
+        elif arg in _HYDRA_FLAGS_WITH_VALUE:
+            next(it, None)
+        elif arg in ("-i", "--info") and i + 1 < len(args) and args[i + 1] in _HYDRA_INFO_VALUES:
+            next(it, None)
+    return out
+
+
 def run_hydra(config_name: str, task: Callable, overrides: list[str]) -> None:
     import hydra
 
@@ -110,7 +133,8 @@ def run_hydra(config_name: str, task: Callable, overrides: list[str]) -> None:
     from .runtime import configure_cpu_threads
 
     overrides = expand_shorthands(overrides)
-    check_overrides(config_name, [o for o in overrides if not o.startswith(("hydra.", "hydra/", "--"))])
+    checked = [o for o in _without_hydra_flags(overrides) if not o.startswith(("hydra.", "hydra/"))]
+    check_overrides(config_name, checked)
     configure_cpu_threads()
     sys.argv = [sys.argv[0]] + overrides
     main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(_report_errors(task))

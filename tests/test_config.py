@@ -10,7 +10,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 import drafttrain.config as C
-from drafttrain.cli import CONF_DIR, expand_shorthands
+from drafttrain.cli import CONF_DIR, _without_hydra_flags, expand_shorthands
 
 from .conftest import REPO
 
@@ -33,7 +33,12 @@ def _options(group):
 
 
 def test_recipe_dir_is_the_recipe_group():
-    assert (CONF_DIR / "recipe").resolve() == (REPO / "recipes").resolve()
+    # the configs live in the package (a wheel carries them); no symlink inside it, since wheels drop symlinks
+    assert CONF_DIR == REPO / "drafttrain" / "conf"
+    assert not (CONF_DIR / "recipe").is_symlink() and (CONF_DIR / "recipe").is_dir()
+    # the checkout's top-level conf/ and recipes/ are links into it (README's conf/accelerate/... paths)
+    assert (REPO / "recipes").resolve() == (CONF_DIR / "recipe").resolve()
+    assert (REPO / "conf").resolve() == CONF_DIR.resolve()
     assert _options("recipe"), "no recipes found"
 
 
@@ -80,6 +85,19 @@ def test_shorthands():
     assert expand_shorthands(["target=/models/llama"]) == ["target=hf", "target.name_or_path=/models/llama"]
     assert expand_shorthands(["data=chats.jsonl"]) == ["data=jsonl", "data.path=chats.jsonl"]
     assert expand_shorthands(["data=builtin", "x=1"]) == ["data=builtin", "x=1"]
+
+
+def test_hydra_flags_are_not_checked_as_overrides():
+    args = ["recipe=eagle3", "--cfg", "job", "-p", "method", "--info", "-m", "x=1", "--info", "searchpath", "--cfg=all"]
+    assert _without_hydra_flags(args) == ["recipe=eagle3", "x=1"]
+
+
+def test_cli_prints_the_job_config(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "drafttrain.cli", "train", "recipe=eagle3", "--cfg", "job"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "method: eagle3" in r.stdout.splitlines()
+    assert not any(tmp_path.iterdir())  # printing the config starts no run
 
 
 @pytest.mark.parametrize("override,needle", [
