@@ -89,6 +89,10 @@ class Eagle3Config:
     # teacher over the draft vocabulary only (lm_head rows by d2t) + the full log-normaliser and argmax in
     # vocabulary chunks: the [B, T, V] float32 target logits are never built (same loss; less memory)
     compact_teacher: bool = True
+    fc_norm: bool = False  # EAGLE-3.1: RMSNorm on each tap before fc
+    norm_output: bool = False  # EAGLE-3.1: the next step reads the post-norm hidden state
+    qk_norm: bool = False  # Qwen3-style draft layer (q/k RMSNorm per head)
+    init_layer: Optional[int] = None  # initialise the draft layer(s) from this target decoder layer (-1: last)
 
 
 @dataclass

@@ -375,7 +375,7 @@ def eagle3_step_static(drafter, input_ids: Tensor, hidden: Tensor, cache_k: list
         cache_k[li].index_copy_(2, write_index, k.to(cache_k[li].dtype))
         cache_v[li].index_copy_(2, write_index, v.to(cache_v[li].dtype))
         h = layer.finish(sdpa_attention(q, cache_k[li].to(q.dtype), cache_v[li].to(q.dtype), mask), h)
-    return drafter.compute_logits(h), h
+    return drafter.compute_logits(h), drafter.output_hidden(h)
 
 
 @torch.no_grad()

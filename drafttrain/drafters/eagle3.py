@@ -66,6 +66,12 @@ class Eagle3Config:
     target_name_or_path: str = ""
     target_num_layers: int = 0
     initializer_range: float = 0.02
+    # EAGLE-3.1: an RMSNorm per tapped layer before fc (fc_norm.{0,1,2}); the post-norm hidden state handed to
+    # the next drafting step (norm_output)
+    fc_norm: bool = False
+    norm_output: bool = False
+    # Qwen3-style attention: RMSNorm over each head's q and k (self_attn.{q,k}_norm) before the rotary
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         self.tap_layers = [int(t) for t in self.tap_layers]
@@ -121,6 +127,15 @@ def _rope_theta(cfg: Any) -> float:
             if isinstance(rp.get(key), dict) and "rope_theta" in rp[key]:
                 return float(rp[key]["rope_theta"])
     return float(_cfg_get(cfg, "rope_theta", default=10000.0))
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of an HF causal LM (``model.model.layers`` and the like)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise DraftTrainError(f"{type(model).__name__}: no decoder layers to initialise the drafter from")
+    return layers
 
 
 class RMSNorm(nn.Module):
@@ -276,6 +291,9 @@ class Eagle3Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.q_proj = nn.Linear(in_dim, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=False)
@@ -287,6 +305,8 @@ class Eagle3Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
 
     def out(self, attn: torch.Tensor) -> torch.Tensor:
@@ -397,6 +417,8 @@ class Eagle3Drafter(nn.Module):
         self.config = config
         c = config
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(3)])
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList([Eagle3Layer(c, first=(i == 0)) for i in range(c.num_layers)])
@@ -447,9 +469,15 @@ class Eagle3Drafter(nn.Module):
         t2d: torch.Tensor,
         num_layers: int = 1,
         target_name_or_path: str = "",
+        fc_norm: bool = False,
+        norm_output: bool = False,
+        qk_norm: bool = False,
+        init_layer: int | None = None,
     ) -> "Eagle3Drafter":
         """Size the drafter from ``target_model.config``; copy (and freeze) its input embedding; initialise
-        ``lm_head`` from the target's output-embedding rows of the draft vocabulary."""
+        ``lm_head`` from the target's output-embedding rows of the draft vocabulary. ``init_layer`` (a target
+        decoder layer index, negative from the end) also initialises the draft layers from that target layer
+        where shapes allow (:meth:`init_layers_from`)."""
         cfg = target_model.config
         if hasattr(cfg, "get_text_config"):
             cfg = cfg.get_text_config()
@@ -479,8 +507,11 @@ class Eagle3Drafter(nn.Module):
             target_name_or_path=str(target_name_or_path),
             target_num_layers=L,
             initializer_range=float(_cfg_get(cfg, "initializer_range", default=0.02)),
+            fc_norm=bool(fc_norm), norm_output=bool(norm_output), qk_norm=bool(qk_norm),
         )
         model = cls(config, d2t.detach().cpu(), t2d.detach().cpu())
+        if init_layer is not None:
+            model.init_layers_from(target_model, int(init_layer))
         with torch.no_grad():
             model.embed_tokens.weight.copy_(emb.detach().to("cpu", torch.float32))
             out = target_model.get_output_embeddings() if hasattr(target_model, "get_output_embeddings") else None
@@ -488,6 +519,32 @@ class Eagle3Drafter(nn.Module):
                 ids = model.draft_target_ids().to(out.weight.device)
                 model.lm_head.weight.copy_(out.weight.detach()[ids].to("cpu", torch.float32))
         return model
+
+    @torch.no_grad()
+    def init_layers_from(self, target_model: nn.Module, index: int) -> list[str]:
+        """Copy target decoder layer ``index`` (negative: from the end) into every draft layer, tensor by
+        tensor where the shapes match: o_proj, the MLP, the norms (and q/k norms). Layer 0's q/k/v read
+        ``[norm(embedding); hidden_norm(hidden)]`` (2H inputs): both halves get the target's projection, halved,
+        so at the start they apply the target layer to the mean of the two streams. Returns the names set."""
+        layers = _decoder_layers(target_model)
+        if not -len(layers) <= index < len(layers):
+            raise DraftTrainError(f"eagle3.init_layer={index}: the target has {len(layers)} decoder layers")
+        src = dict(layers[index].named_parameters())
+        done = []
+        for li, layer in enumerate(self.layers):
+            for name, p in layer.named_parameters():
+                s = src.get(name if name != "hidden_norm.weight" else "input_layernorm.weight")
+                if s is None:
+                    continue
+                if s.shape == p.shape:
+                    p.copy_(s.detach().to(p.device, p.dtype))
+                elif name.split(".")[-2] in ("q_proj", "k_proj", "v_proj") and p.shape == (s.shape[0], 2 * s.shape[1]):
+                    half = (0.5 * s.detach()).to(p.device, p.dtype)
+                    p.copy_(torch.cat([half, half], dim=1))
+                else:
+                    continue
+                done.append(f"layers.{li}.{name}")
+        return done
 
     # ------------------------------------------------------------------ small API
     def draft_target_ids(self) -> torch.Tensor:
@@ -503,10 +560,18 @@ class Eagle3Drafter(nn.Module):
             raise DraftTrainError(
                 f"taps have width {taps.shape[-1]}, expected 3 x target_hidden = {self.fc.in_features}"
             )
-        return self.fc(taps.to(self.fc.weight.dtype))
+        taps = taps.to(self.fc.weight.dtype)
+        if hasattr(self, "fc_norm"):
+            taps = torch.cat([n(x) for n, x in zip(self.fc_norm, taps.chunk(3, dim=-1))], dim=-1)
+        return self.fc(taps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
+
+    def output_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden state handed to the next drafting step: the last layer's residual stream, or with
+        ``norm_output`` (EAGLE-3.1) its final-norm output, what the lm_head reads."""
+        return self.norm(hidden) if self.config.norm_output else hidden
 
     def logits_to_target(self, logits: torch.Tensor) -> torch.Tensor:
         """Scatter draft logits ``[..., Vd]`` to target ids ``[..., V]``; -inf elsewhere."""
@@ -581,9 +646,9 @@ class Eagle3Drafter(nn.Module):
                     vc = torch.cat([v0[li], *vd[li]], dim=2)
                     a = masked_attention(q, kc, vc, ttt_reference_mask(T, i, attention_mask))
                 h = layer.finish(a, h)
-            hidden = h
+            hidden = self.output_hidden(h)
             logits_out.append(self.compute_logits(h))
-            hidden_out.append(h)
+            hidden_out.append(hidden)
         return (logits_out, hidden_out) if return_hidden else logits_out
 
     # ------------------------------------------------------------------ inference
@@ -638,7 +703,7 @@ class Eagle3Drafter(nn.Module):
             vc = cache.v[li][:, :, : L + n].to(q.dtype)
             h = layer.finish(masked_attention(q, kc, vc, attn_mask), h)
         cache.length = L + n
-        return self.compute_logits(h), h
+        return self.compute_logits(h), self.output_hidden(h)
 
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, directory: str | os.PathLike, overwrite: bool = True) -> None:

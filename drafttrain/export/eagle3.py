@@ -104,8 +104,8 @@ def vllm_config(drafter, verifier: str, num_speculative_tokens: int, dtype: str)
         "draft_vocab_size": c.draft_vocab_size,
         "norm_before_residual": NORM_BEFORE_RESIDUAL,
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "fc_norm": bool(c.fc_norm),  # EAGLE-3.1 (vLLM >= 0.22 reads fc_norm.{0,1,2}.weight)
+        "norm_output": bool(c.norm_output),
         "target_hidden_size": c.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": [int(t) for t in c.tap_layers],
         "transformer_layer_config": _layer_config(c, dtype),
@@ -142,6 +142,13 @@ def sglang_config(drafter, dtype: str) -> dict:
 
 
 def write_eagle3(drafter, fmt: str, tmp: Path, *, dtype: str, verifier: str, num_speculative_tokens: int) -> None:
+    c = drafter.config
+    if c.qk_norm:
+        raise DraftTrainError("EAGLE-3 export: a drafter with qk_norm (Qwen3-style draft layer) has no verified "
+                              "engine layout yet; evaluate it with drafttrain eval")
+    if fmt == "sglang" and (c.fc_norm or c.norm_output):
+        raise DraftTrainError("EAGLE-3 export: format=sglang has no EAGLE-3.1 (fc_norm / norm_output) layout; use "
+                              "format=vllm")
     if fmt == "vllm":
         config = vllm_config(drafter, verifier, num_speculative_tokens, dtype)
     elif fmt == "sglang":
@@ -193,9 +200,9 @@ def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
         if raw.get("norm_before_residual", True) is not NORM_BEFORE_RESIDUAL:
             raise DraftTrainError(f"{where}: norm_before_residual={raw.get('norm_before_residual', True)} (implicit "
                                   "true when absent); this decoder implements false only")
-        for k in ("norm_before_fc", "fc_norm", "norm_output"):
-            if raw.get(k):
-                raise DraftTrainError(f"{where}: {k}=true is not supported by this decoder")
+        if raw.get("norm_before_fc"):
+            raise DraftTrainError(f"{where}: norm_before_fc=true is not supported by this decoder")
+        v31 = {"fc_norm": bool(raw.get("fc_norm")), "norm_output": bool(raw.get("norm_output"))}
         target = exported_target(raw) or ""
     else:
         lc = raw
@@ -207,6 +214,7 @@ def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
         if raw.get("norm_before_residual", False):
             raise DraftTrainError(f"{where}: norm_before_residual=true is not supported by this decoder")
         target = ""
+        v31 = {}
     if taps is None:
         raise DraftTrainError(f"{where}: no eagle_aux_hidden_state_layer_ids (the taps must be explicit)")
     try:
@@ -220,7 +228,7 @@ def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
             rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)), rope_theta=float(rope),
             max_position_embeddings=int(lc.get("max_position_embeddings", 2048)),
             num_layers=int(lc.get("num_hidden_layers", 1)), tap_layers=[int(t) for t in taps],
-            target_name_or_path=target, initializer_range=float(lc.get("initializer_range", 0.02)),
+            target_name_or_path=target, initializer_range=float(lc.get("initializer_range", 0.02)), **v31,
         )
     except KeyError as e:
         raise DraftTrainError(f"{where}: missing key {e.args[0]!r}") from None

@@ -64,7 +64,9 @@ class Eagle3Method:
         coverage = counts[t2d].sum().item() / max(1, counts.sum().item())
         self.vocab_coverage = coverage
         return Eagle3Drafter.from_target(
-            target_model, self.taps, d2t, t2d, num_layers=self.cfg.num_layers, target_name_or_path=target_name
+            target_model, self.taps, d2t, t2d, num_layers=self.cfg.num_layers, target_name_or_path=target_name,
+            fc_norm=self.cfg.fc_norm, norm_output=self.cfg.norm_output, qk_norm=self.cfg.qk_norm,
+            init_layer=self.cfg.init_layer,
         )
 
     def describe(self, drafter) -> str:
