@@ -89,6 +89,10 @@ class Eagle3Config:
     # teacher over the draft vocabulary only (lm_head rows by d2t) + the full log-normaliser and argmax in
     # vocabulary chunks: the [B, T, V] float32 target logits are never built (same loss; less memory)
     compact_teacher: bool = True
+    # recompute each TTT step's norm + lm_head + loss in the backward (activation checkpointing): the draft
+    # side keeps [B, T, H] per step instead of [B, T, draft vocab] logits and softmaxes; for large
+    # vocabularies (a little more compute)
+    checkpoint_head: bool = False
     fc_norm: bool = False  # EAGLE-3.1: RMSNorm on each tap before fc
     norm_output: bool = False  # EAGLE-3.1: the next step reads the post-norm hidden state
     qk_norm: bool = False  # Qwen3-style draft layer (q/k RMSNorm per head)

@@ -146,7 +146,7 @@ def _loss_and_grads(m, d, batches):
 
 @pytest.mark.parametrize("kind,over", [
     ("eagle3", {}), ("eagle3_tv", {"loss": "tv"}), ("eagle3_lk", {"loss": "lk_hybrid"}),
-    ("eagle3_full_teacher", {"compact_teacher": False}),
+    ("eagle3_full_teacher", {"compact_teacher": False}), ("eagle3_ckpt", {"checkpoint_head": True}),
     ("medusa1", {}), ("medusa2", {}), ("distill_fkl", {"loss": "fkl"}), ("distill_ce", {"loss": "ce"}),
 ])
 def test_packed_equals_padded(kind, over):
@@ -236,3 +236,19 @@ def test_compact_capture_uses_the_decoder_and_matches_full_logits():
         torch.testing.assert_close(cap.teacher.logits, ref.logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(cap.teacher.lse, ref.lse, rtol=1e-5, atol=1e-5)
         assert torch.equal(cap.teacher.top, ref.top)
+
+
+def test_checkpoint_head_gives_the_same_loss_and_gradients():
+    """eagle3.checkpoint_head recomputes each step's head and loss in the backward: same numbers."""
+    t = _target()
+    ex = _examples(seed=6, lengths=[12, 20, 7])
+    out = []
+    for ckpt in (False, True):
+        m = _method("eagle3", t, checkpoint_head=ckpt, loss="lk_hybrid")
+        torch.manual_seed(0)
+        d = m.build_drafter(t, ex, "tiny").float()
+        out.append(_loss_and_grads(m, d, [(t, collate_packed(ex, 0, 40))]))
+    (l0, s0, _, g0), (l1, s1, _, g1) = out
+    assert l1 == pytest.approx(l0, rel=1e-6) and s1 == pytest.approx(s0, rel=1e-6)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7)

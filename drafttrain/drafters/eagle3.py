@@ -580,10 +580,11 @@ class Eagle3Drafter(nn.Module):
         return out
 
     # ------------------------------------------------------------------ training (TTT)
-    def forward(self, input_ids, taps, attention_mask, ttt_steps: int, position_ids=None, doc_ids=None):
+    def forward(self, input_ids, taps, attention_mask, ttt_steps: int, position_ids=None, doc_ids=None,
+                step_loss=None, checkpoint_head: bool = False):
         """Training forward (the TTT unroll), so DDP/DeepSpeed/FSDP wrappers see a normal ``forward``."""
         return self.ttt_forward(input_ids, taps, attention_mask, ttt_steps, position_ids=position_ids,
-                                doc_ids=doc_ids)
+                                doc_ids=doc_ids, step_loss=step_loss, checkpoint_head=checkpoint_head)
 
     def ttt_forward(
         self,
@@ -595,8 +596,16 @@ class Eagle3Drafter(nn.Module):
         return_hidden: bool = False,
         position_ids: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
+        step_loss=None,
+        checkpoint_head: bool = False,
     ):
         """Unroll ``ttt_steps`` drafting steps (docs/design.md, "EAGLE-3 alignment").
+
+        ``step_loss(i, logits) -> dict of tensors``: return that per step instead of the logits (the loss is
+        computed inside the forward, so a DDP wrapper sees every parameter used). With ``checkpoint_head``
+        each step's norm + lm_head + loss run under activation checkpointing: only the ``[B, T, H]`` hidden
+        state is kept for the backward, not the ``[B, T, Vd]`` logits and the loss's softmaxes (recomputed
+        one step at a time): the draft side's memory no longer grows with steps x draft vocabulary.
 
         Packed rows (drafttrain.data.packing) pass ``position_ids`` (restarting per document) and ``doc_ids``:
         step-0 keys are then visible only inside a query's document; the later steps' keys sit at the
@@ -647,9 +656,18 @@ class Eagle3Drafter(nn.Module):
                     a = masked_attention(q, kc, vc, ttt_reference_mask(T, i, attention_mask))
                 h = layer.finish(a, h)
             hidden = self.output_hidden(h)
-            logits_out.append(self.compute_logits(h))
+            logits_out.append(self._head(i, h, step_loss, checkpoint_head))
             hidden_out.append(hidden)
         return (logits_out, hidden_out) if return_hidden else logits_out
+
+    def _head(self, i: int, h: torch.Tensor, step_loss, checkpoint_head: bool):
+        if step_loss is None:
+            return self.compute_logits(h)
+        if checkpoint_head and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(lambda x: step_loss(i, self.compute_logits(x)), h, use_reentrant=False)
+        return step_loss(i, self.compute_logits(h))
 
     # ------------------------------------------------------------------ inference
     def new_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> Eagle3Cache:

@@ -52,6 +52,7 @@ class Eagle3Method:
             raise DraftTrainError(f"eagle3.loss={cfg.loss}: expected one of {', '.join(EAGLE3_LOSSES)}")
         self.loss_kind = cfg.loss
         self.compact = bool(cfg.compact_teacher)
+        self.checkpoint_head = bool(cfg.checkpoint_head)
 
     def build_drafter(self, target_model, examples, target_name: str) -> Eagle3Drafter:
         V = target_model.get_output_embeddings().weight.shape[0]
@@ -124,14 +125,17 @@ class Eagle3Method:
         ``model`` is the (possibly DDP-wrapped) drafter to call, ``drafter`` the unwrapped module.
         Returns (scaled loss, stats dict of per-step sums).
         """
-        step_logits = model(batch["input_ids"], cap.taps.to(next(drafter.parameters()).dtype),
-                            batch["attention_mask"], self.ttt_steps, position_ids=batch.get("position_ids"),
-                            doc_ids=batch.get("doc_ids"))
         masks = self.valid_masks(drafter, batch, cap)
+
+        def step_loss(i, logits):
+            return eagle3_step_stats(logits.float(), cap.teacher, masks[i], drafter.d2t, drafter.t2d, i,
+                                     loss=self.loss_kind)
+
+        per_step = model(batch["input_ids"], cap.taps.to(next(drafter.parameters()).dtype),
+                         batch["attention_mask"], self.ttt_steps, position_ids=batch.get("position_ids"),
+                         doc_ids=batch.get("doc_ids"), step_loss=step_loss, checkpoint_head=self.checkpoint_head)
         sums, stats = [], {}
-        for i, (logits, valid) in enumerate(zip(step_logits, masks)):
-            s = eagle3_step_stats(logits.float(), cap.teacher, valid, drafter.d2t, drafter.t2d, i,
-                                  loss=self.loss_kind)
+        for i, s in enumerate(per_step):
             sums.append(s["loss_sum"])
             for k in ("loss_sum", "acc_sum", "accept_sum", "count"):
                 stats[f"{k}_{i}"] = torch.as_tensor(s[k]).detach().float()
