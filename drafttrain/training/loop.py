@@ -242,6 +242,7 @@ def run_train(cfg) -> dict | None:
     bar = tqdm(range(start_step, tc.max_steps), desc="train", disable=not main, initial=start_step,
                total=tc.max_steps, mininterval=2.0)
     t_log, tok_log = time.time(), 0
+    cells = [0, 0]  # tensor cells and real tokens of this process's micro-batches (padding = their ratio)
     t_start = time.time()
     for step in bar:
         mb_idx = batching.micro_batches(len(examples), plan, step, tc.seed, rank)
@@ -272,6 +273,8 @@ def run_train(cfg) -> dict | None:
             for k, v in stats.items():
                 step_stats[k] = step_stats.get(k, 0.0) + v
             tok_log += int(mb["attention_mask"].sum())
+            cells[0] += mb["attention_mask"].numel()
+            cells[1] += int(mb["attention_mask"].sum())
         scheduler.step()
         done = step + 1
 
@@ -314,8 +317,11 @@ def run_train(cfg) -> dict | None:
         if hasattr(method, "finalize"):  # e.g. Medusa picks its tree from the measured per-head accuracy
             method.finalize(accelerator.unwrap_model(wrapped), train_metrics)
         accelerator.unwrap_model(wrapped).save_pretrained(final_dir)
-        write_json(run_dir / "train_metrics.json", {"history": history, "train_seconds": train_seconds})
-        say(f"saved drafter to {final_dir} ({train_seconds:.0f}s of training)")
+        padding = cells[0] / max(1, cells[1])
+        write_json(run_dir / "train_metrics.json", {"history": history, "train_seconds": train_seconds,
+                                                    "padded_per_real_token": padding})
+        say(f"saved drafter to {final_dir} ({train_seconds:.0f}s of training; {padding:.2f} tensor cells per real "
+            f"token{'' if tc.packing else ', train.packing=false'})")
     accelerator.wait_for_everyone()
     gathered.close()
 
