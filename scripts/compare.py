@@ -39,6 +39,8 @@ METHODS = {
     "ce": ("distill", ["distill.loss=ce"], "same draft, plain CE on the same data"),
     "pld": (None, ["decode.method=pld"], "prompt lookup (no training)"),
     # EAGLE-3 levers (ablation rows: one change each against "eagle3")
+    "eagle3_v30": ("eagle3", ["eagle3.fc_norm=false", "eagle3.norm_output=false"],
+                   "EAGLE-3 without the 3.1 norms (the default before session 4)"),
     "eagle3_v31": ("eagle3", ["eagle3.fc_norm=true", "eagle3.norm_output=true"], "EAGLE-3.1 (fc_norm + norm_output)"),
     "eagle3_lk": ("eagle3", ["eagle3.loss=lk_hybrid"], "EAGLE-3, LK-style hybrid loss (CE + TV) / 2"),
     "eagle3_tv": ("eagle3", ["eagle3.loss=tv"], "EAGLE-3, total-variation loss"),
@@ -46,6 +48,8 @@ METHODS = {
     "eagle3_qk": ("eagle3", ["eagle3.qk_norm=true"], "EAGLE-3, Qwen3-style draft layer (q/k norm)"),
     "eagle3_lr3e3": ("eagle3", ["train.lr=3e-3"], "EAGLE-3, learning rate 3e-3 (recipe: 1e-3)"),
     "eagle3_ttt3": ("eagle3", ["eagle3.ttt_steps=3"], "EAGLE-3, TTT 3 steps (recipe: 7)"),
+    "eagle3_v31_lr3e3": ("eagle3", ["eagle3.fc_norm=true", "eagle3.norm_output=true", "train.lr=3e-3"],
+                         "EAGLE-3.1, learning rate 3e-3"),
     "eagle3_2l": ("eagle3", ["eagle3.num_layers=2"], "EAGLE-3, 2 draft layers"),
 }
 DEFAULT = ["eagle3", "medusa1", "medusa2", "kd", "ce", "pld"]
