@@ -93,8 +93,9 @@ class Eagle3Config:
     # side keeps [B, T, H] per step instead of [B, T, draft vocab] logits and softmaxes; for large
     # vocabularies (a little more compute)
     checkpoint_head: bool = False
-    fc_norm: bool = False  # EAGLE-3.1: RMSNorm on each tap before fc
-    norm_output: bool = False  # EAGLE-3.1: the next step reads the post-norm hidden state
+    # EAGLE-3.1 (on by default: +21% τ at 100 steps on the built-in target, bench/training_quality.md)
+    fc_norm: bool = True  # RMSNorm on each tap before fc
+    norm_output: bool = True  # the next step reads the post-norm hidden state
     qk_norm: bool = False  # Qwen3-style draft layer (q/k RMSNorm per head)
     init_layer: Optional[int] = None  # initialise the draft layer(s) from this target decoder layer (-1: last)
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 # name -> (recipe, extra overrides, description); decode.method comes from the recipe
 METHODS = {
-    "eagle3": ("eagle3", [], "EAGLE-3 (1 layer, 3 taps, TTT 7)"),
+    "eagle3": ("eagle3", [], "EAGLE-3 recipe (EAGLE-3.1 norms, 1 layer, 3 taps, TTT 7, lr 3e-3)"),
     "medusa1": ("medusa", [], "Medusa-1 (4 heads, frozen target)"),
     "medusa2": ("medusa2", [], "Medusa-2 (4 heads + LoRA r32, self-distillation; target modified)"),
     "kd": ("distill", ["distill.loss=fkl"], "distilled draft, KD (forward KL), 2 target layers"),
@@ -39,8 +39,8 @@ METHODS = {
     "ce": ("distill", ["distill.loss=ce"], "same draft, plain CE on the same data"),
     "pld": (None, ["decode.method=pld"], "prompt lookup (no training)"),
     # EAGLE-3 levers (ablation rows: one change each against "eagle3")
-    "eagle3_v30": ("eagle3", ["eagle3.fc_norm=false", "eagle3.norm_output=false"],
-                   "EAGLE-3 without the 3.1 norms (the default before session 4)"),
+    "eagle3_v30": ("eagle3", ["eagle3.fc_norm=false", "eagle3.norm_output=false", "train.lr=1e-3"],
+                   "EAGLE-3 as the recipe was before the lever ablation (no 3.1 norms, lr 1e-3)"),
     "eagle3_v31": ("eagle3", ["eagle3.fc_norm=true", "eagle3.norm_output=true"], "EAGLE-3.1 (fc_norm + norm_output)"),
     "eagle3_lk": ("eagle3", ["eagle3.loss=lk_hybrid"], "EAGLE-3, LK-style hybrid loss (CE + TV) / 2"),
     "eagle3_tv": ("eagle3", ["eagle3.loss=tv"], "EAGLE-3, total-variation loss"),
@@ -50,6 +50,13 @@ METHODS = {
     "eagle3_ttt3": ("eagle3", ["eagle3.ttt_steps=3"], "EAGLE-3, TTT 3 steps (recipe: 7)"),
     "eagle3_v31_lr3e3": ("eagle3", ["eagle3.fc_norm=true", "eagle3.norm_output=true", "train.lr=3e-3"],
                          "EAGLE-3.1, learning rate 3e-3"),
+    "eagle3_v31_init": ("eagle3", ["eagle3.fc_norm=true", "eagle3.norm_output=true", "eagle3.init_layer=-1"],
+                        "EAGLE-3.1, draft layer from the target's last layer"),
+    "eagle3_v31_lr3e3_init": ("eagle3", ["eagle3.fc_norm=true", "eagle3.norm_output=true", "train.lr=3e-3",
+                                         "eagle3.init_layer=-1"], "EAGLE-3.1, lr 3e-3, layer from the target's last"),
+    "eagle3_all": ("eagle3", ["eagle3.fc_norm=true", "eagle3.norm_output=true", "train.lr=3e-3",
+                              "eagle3.init_layer=-1", "eagle3.qk_norm=true"],
+                   "EAGLE-3.1, lr 3e-3, layer from the target's last, q/k norm"),
     "eagle3_2l": ("eagle3", ["eagle3.num_layers=2"], "EAGLE-3, 2 draft layers"),
 }
 DEFAULT = ["eagle3", "medusa1", "medusa2", "kd", "ce", "pld"]

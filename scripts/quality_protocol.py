@@ -7,7 +7,7 @@
 For every (method, budget) a run of ``scripts/compare.py`` (same data, prompts, decoder settings; greedy,
 chain, K draft tokens; one seed per --seeds entry), then one table (τ, α@1..K, train CPU seconds) and a PNG
 of τ against optimizer steps. Runs are reused when their report.json exists, so an interrupted protocol
-resumes. ``--sampled`` adds an evaluation of each trained drafter at temperature 0.7 / top-p 0.9.
+resumes. ``--sampled 300`` adds an evaluation of the 300-step drafters at temperature 0.7 / top-p 0.9.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("-K", type=int, default=4)
-    ap.add_argument("--sampled", action="store_true", help="also decode at T=0.7, top-p 0.9")
+    ap.add_argument("--sampled", default="", help="budgets (comma list) whose drafters are also decoded at T=0.7, "
+                    "top-p 0.9")
     ap.add_argument("--runs", default="/tmp/quality_runs")
     ap.add_argument("--out", default=str(REPO / "bench" / "training_quality.md"))
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run (e.g. target=<dir>)")
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
                 row = {"method": m, "steps": steps, "seed": seed, "tau": rep["tau"], "alpha": rep["alpha"],
                        "per_position": rep["acceptance_per_position"], "train_s": train.get("train_seconds"),
                        "outputs_match": rep.get("outputs_match_baseline")}
-                if a.sampled and (runs / m / "final").exists():
+                if str(steps) in a.sampled.split(",") and (runs / m / "final").exists():
                     srun = runs / f"{m}_t07"
                     if not (srun / "report.json").exists():
                         subprocess.run([sys.executable, "-m", "drafttrain.cli", "eval", f"drafter={runs / m / 'final'}",
@@ -82,15 +83,15 @@ def write_table(rows, a, out: Path) -> None:
     K = a.K
     head = ["method", "steps", "seed", "τ", *[f"α@{i + 1}" for i in range(K)], "train s"]
     if a.sampled:
-        head += ["τ T0.7", "α T0.7 / α greedy"]
+        head += ["τ T0.7/p0.9", "α T0.7 / α greedy"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: (r["method"], r["steps"], r["seed"])):
         pp = (list(r["per_position"]) + [float("nan")] * K)[:K]
         cells = [r["method"], str(r["steps"]), str(r["seed"]), f"{r['tau']:.2f}", *[f"{x:.2f}" for x in pp],
                  f"{r['train_s']:.0f}" if r["train_s"] else "–"]
         if a.sampled:
-            cells += [f"{r.get('tau_t07', float('nan')):.2f}",
-                      f"{r.get('alpha_t07', float('nan')) / max(r['alpha'], 1e-9):.2f}"]
+            cells += [f"{r['tau_t07']:.2f}", f"{r['alpha_t07'] / max(r['alpha'], 1e-9):.2f}"] if "tau_t07" in r \
+                else ["", ""]
         lines.append("| " + " | ".join(cells) + " |")
     text = out.read_text() if out.exists() else f"# Training quality: τ against the training budget\n\n"
     begin, end = "<!-- quality_protocol.py: begin generated -->", "<!-- quality_protocol.py: end generated -->"

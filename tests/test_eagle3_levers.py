@@ -149,8 +149,13 @@ def test_save_load_and_export(target, tmp_path, lever):
     assert back.config.fc_norm and back.config.norm_output
     for k, v in d.state_dict().items():
         torch.testing.assert_close(back.state_dict()[k], v)
-    with pytest.raises(DraftTrainError, match="sglang"):
-        write_eagle3(d, "sglang", tmp_path, dtype="float32", verifier="tiny", num_speculative_tokens=3)
+    sg = tmp_path / "sglang"
+    sg.mkdir()
+    write_eagle3(d, "sglang", sg, dtype="float32", verifier="tiny", num_speculative_tokens=3)
+    back = load_exported_eagle3(sg, target_model=target)
+    assert back.config.fc_norm and back.config.norm_output
+    for k, v in d.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[k], v)
 
 
 @pytest.mark.parametrize("lever", list(LEVERS))

@@ -53,8 +53,9 @@ def _evaluate(env, drafter, method="eagle3", model=None):
                             target_name=env["path"], drafter_name="x")
 
 
-def _eagle3_names(num_layers: int) -> set[str]:
+def _eagle3_names(num_layers: int, fc_norm: bool = False) -> set[str]:
     names = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "layers.0.hidden_norm.weight"}
+    names |= {f"fc_norm.{i}.weight" for i in range(3)} if fc_norm else set()
     for layer in range(num_layers):
         names |= {f"layers.{layer}.{n}.weight" for n in (
             "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -66,7 +67,7 @@ def _check_eagle3_tensors(out, native, with_t2d: bool, dtype=torch.bfloat16):
     c = native.config
     H, Ht, I, D = c.hidden_size, c.target_hidden_size, c.intermediate_size, c.head_dim
     got = tensors(out)
-    assert set(got) == _eagle3_names(c.num_layers) | ({"t2d"} if with_t2d else set())
+    assert set(got) == _eagle3_names(c.num_layers, c.fc_norm) | ({"t2d"} if with_t2d else set())
     assert not any("embed_tokens" in k for k in got)  # shared with the target
     fp = SD[dtype]
     want = {

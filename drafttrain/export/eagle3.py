@@ -128,6 +128,8 @@ def sglang_config(drafter, dtype: str) -> dict:
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         "norm_before_residual": NORM_BEFORE_RESIDUAL,
+        "fc_norm": bool(c.fc_norm),  # EAGLE-3.1, as SpecForge writes it (fc_norm.{0,1,2}.weight)
+        "norm_output": bool(c.norm_output),
         "eagle_aux_hidden_state_layer_ids": [int(t) for t in c.tap_layers],  # vLLM convention (raw)
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": [int(t) - 1 for t in c.tap_layers],  # SGLang adds 1
@@ -146,9 +148,6 @@ def write_eagle3(drafter, fmt: str, tmp: Path, *, dtype: str, verifier: str, num
     if c.qk_norm:
         raise DraftTrainError("EAGLE-3 export: a drafter with qk_norm (Qwen3-style draft layer) has no verified "
                               "engine layout yet; evaluate it with drafttrain eval")
-    if fmt == "sglang" and (c.fc_norm or c.norm_output):
-        raise DraftTrainError("EAGLE-3 export: format=sglang has no EAGLE-3.1 (fc_norm / norm_output) layout; use "
-                              "format=vllm")
     if fmt == "vllm":
         config = vllm_config(drafter, verifier, num_speculative_tokens, dtype)
     elif fmt == "sglang":
@@ -214,7 +213,7 @@ def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
         if raw.get("norm_before_residual", False):
             raise DraftTrainError(f"{where}: norm_before_residual=true is not supported by this decoder")
         target = ""
-        v31 = {}
+        v31 = {"fc_norm": bool(raw.get("fc_norm")), "norm_output": bool(raw.get("norm_output"))}
     if taps is None:
         raise DraftTrainError(f"{where}: no eagle_aux_hidden_state_layer_ids (the taps must be explicit)")
     try:
