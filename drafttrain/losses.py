@@ -178,11 +178,13 @@ def eagle3_step_stats(
     - ``count``: number of valid positions.
 
     ``target``: full logits ``[B, T, V]`` or the compact :class:`Eagle3Teacher`. Only the valid rows are
-    gathered before the float32 softmaxes.
+    gathered before the float32 softmaxes. ``draft_logits`` may also be those rows already, ``[N, Vd]`` for
+    the N valid positions of ``valid[:, :T-1-step]`` in row-major order (the head then ran on them only).
     """
     if loss not in EAGLE3_LOSSES:
         raise ValueError(f"unknown EAGLE-3 loss {loss!r}; expected one of {EAGLE3_LOSSES}")
-    B, T, _ = draft_logits.shape
+    rows = draft_logits.dim() == 2
+    B, T = valid.shape if rows else draft_logits.shape[:2]
     i = int(step)
     teacher = _as_teacher(target, d2t)
     if teacher.shape != (B, T) or valid.shape != (B, T):
@@ -199,7 +201,9 @@ def eagle3_step_stats(
     if n < T and bool(valid[:, n:].any()):
         raise ValueError(f"valid mask marks indices t >= T-1-step ({n}) that have no teacher")
     v = valid[:, :n]
-    q_logits = draft_logits[:, :n][v].float()                          # [N, Vd]
+    q_logits = (draft_logits if rows else draft_logits[:, :n][v]).float()  # [N, Vd]
+    if rows and q_logits.shape[0] != int(v.sum()):
+        raise ValueError(f"{q_logits.shape[0]} draft rows for {int(v.sum())} valid positions")
     sl = slice(1 + i, 1 + i + n)
     p_logits = teacher.logits.detach()[:, sl][v].float()               # [N, Vd]; the teacher is a constant
     p_lse = teacher.lse.detach()[:, sl][v].float()                     # [N]

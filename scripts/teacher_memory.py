@@ -6,8 +6,9 @@
 A tiny random Llama target with a V-token vocabulary (the memory of interest is the [B, T, V] teacher);
 each arm runs in its own process (one thread): capture (target forward + teacher), the TTT loss and the
 backward of one micro-batch. Reported: the step's peak resident memory above the process's level before
-it (``ru_maxrss``), for the capture alone and for the whole step, and the loss (the arms must agree to
-1e-5 relative).
+it (sampled every millisecond), for the capture alone and for the whole step, and the loss (the arms must
+agree to 1e-5 relative). Each arm runs with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every large
+block and unmaps it on free, so resident memory follows live tensors instead of the heap's high-water mark.
 """
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
         out = subprocess.run([sys.executable, __file__, "--arm", name, "--vocab", str(a.vocab), "--batch",
                               str(a.batch), "--seq", str(a.seq), "--ttt", str(a.ttt), "--draft-vocab",
                               str(a.draft_vocab)], check=True, stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}).stdout
         res[name] = json.loads(out.strip().splitlines()[-1])
         print(name, res[name], flush=True)
     f, c, k = res["full"], res["compact"], res["compact+checkpoint_head"]

@@ -252,3 +252,25 @@ def test_checkpoint_head_gives_the_same_loss_and_gradients():
     assert l1 == pytest.approx(l0, rel=1e-6) and s1 == pytest.approx(s0, rel=1e-6)
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7)
+
+
+def test_step_stats_on_gathered_rows_equal_full_logits():
+    """The head may run on the valid rows only: eagle3_step_stats on those rows == on the full logits."""
+    torch.manual_seed(2)
+    B, T, Vt = 2, 6, 11
+    full = torch.randn(B, T, Vt)
+    d2t = torch.tensor([0, 0, 1, 1, 3])
+    t2d = torch.zeros(Vt, dtype=torch.bool)
+    t2d[torch.arange(5) + d2t] = True
+    draft = torch.randn(B, T, 5)
+    am = torch.ones(B, T, dtype=torch.long)
+    for step in (0, 2):
+        valid = eagle3_valid_mask(T, am, am, full, t2d, step) | False
+        valid[:, : T - 2 - step] = True  # every scorable position (argmax in vocab or not)
+        n = T - 1 - step
+        a = eagle3_step_stats(draft, full, valid, d2t, t2d, step, loss="lk_hybrid")
+        b = eagle3_step_stats(draft[:, :n][valid[:, :n]], full, valid, d2t, t2d, step, loss="lk_hybrid")
+        for k in a:
+            torch.testing.assert_close(a[k], b[k])
+    with pytest.raises(ValueError, match="draft rows"):
+        eagle3_step_stats(draft[0], full, valid, d2t, t2d, 2)

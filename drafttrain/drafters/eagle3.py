@@ -601,8 +601,9 @@ class Eagle3Drafter(nn.Module):
     ):
         """Unroll ``ttt_steps`` drafting steps (docs/design.md, "EAGLE-3 alignment").
 
-        ``step_loss(i, logits) -> dict of tensors``: return that per step instead of the logits (the loss is
-        computed inside the forward, so a DDP wrapper sees every parameter used). With ``checkpoint_head``
+        ``step_loss(i, hidden, head) -> dict of tensors``: return that per step instead of the logits, with
+        ``head`` (norm + lm_head) applied by the callback to the rows it scores (the loss is computed inside
+        the forward, so a DDP wrapper sees every parameter used). With ``checkpoint_head``
         each step's norm + lm_head + loss run under activation checkpointing: only the ``[B, T, H]`` hidden
         state is kept for the backward, not the ``[B, T, Vd]`` logits and the loss's softmaxes (recomputed
         one step at a time): the draft side's memory no longer grows with steps x draft vocabulary.
@@ -663,11 +664,15 @@ class Eagle3Drafter(nn.Module):
     def _head(self, i: int, h: torch.Tensor, step_loss, checkpoint_head: bool):
         if step_loss is None:
             return self.compute_logits(h)
+
+        def fn(x):
+            return step_loss(i, x, self.compute_logits)
+
         if checkpoint_head and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
-            return checkpoint(lambda x: step_loss(i, self.compute_logits(x)), h, use_reentrant=False)
-        return step_loss(i, self.compute_logits(h))
+            return checkpoint(fn, h, use_reentrant=False)
+        return fn(h)
 
     # ------------------------------------------------------------------ inference
     def new_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> Eagle3Cache:

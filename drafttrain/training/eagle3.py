@@ -127,7 +127,9 @@ class Eagle3Method:
         """
         masks = self.valid_masks(drafter, batch, cap)
 
-        def step_loss(i, logits):
+        def step_loss(i, hidden, head):  # the head runs on the valid rows only
+            n = max(hidden.shape[1] - 1 - i, 0)
+            logits = head(hidden[:, :n][masks[i][:, :n]])
             return eagle3_step_stats(logits.float(), cap.teacher, masks[i], drafter.d2t, drafter.t2d, i,
                                      loss=self.loss_kind)
 
