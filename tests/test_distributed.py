@@ -25,6 +25,10 @@ SMALL = [
     *TINY_BUILTIN_OVERRIDES, *DATA,
     "train.batch_size=4", "train.micro_batch_size=2", "train.lr=3e-3", "train.warmup_steps=2", "eagle3.ttt_steps=3",
     "train.max_steps=4", "train.save_every=2", "train.keep_checkpoints=5",
+    # the EAGLE-3.0 layout (no fc_norm / norm_output): after 4 steps on the tiny target its final drafter accepts
+    # drafts on the 3 eval prompts (τ > 1.2), which the export tests need; a 3.1 drafter's acceptance there is
+    # luck (τ 1.0 at step 4, 1.41 at step 2). The 3.1 layout's own tests: tests/test_eagle3_levers.py
+    "eagle3.fc_norm=false", "eagle3.norm_output=false",
     "decode.max_new_tokens=24", "decode.num_prompts=3", "decode.num_draft_tokens=3", "decode.sweep_prompts=0",
     "decode.warmup=0",
 ]
@@ -53,12 +57,9 @@ def shared_run(tmp_path_factory, name: str, make) -> Path:
 
 
 def reference_run(tmp_path_factory) -> Path:
-    """1 process, online capture, W&B (offline) logging every step, every checkpoint evaluated. The EAGLE-3.0
-    layout (no fc_norm / norm_output): after 4 steps on the tiny target its final drafter accepts drafts on the
-    3 eval prompts (τ > 1.2), which the export tests need; the 3.1 drafter's acceptance there is luck (τ 1.0
-    at step 4, 1.41 at step 2). The 3.1 layout's export round trip: tests/test_eagle3_levers.py."""
+    """1 process, online capture, W&B (offline) logging every step, every checkpoint evaluated."""
     return shared_run(tmp_path_factory, "reference", lambda d: run_cmd(
-        [REPO / "train.py", "recipe=eagle3", *SMALL, "eagle3.fc_norm=false", "eagle3.norm_output=false", "logger=wandb", "train.log_every=1", "train.eval_checkpoints=true",
+        [REPO / "train.py", "recipe=eagle3", *SMALL, "logger=wandb", "train.log_every=1", "train.eval_checkpoints=true",
          f"hydra.run.dir={d}"]))
 
 

@@ -24,6 +24,11 @@ class Capture:
     taps: torch.Tensor  # [B, T, 3H]
     teacher: Eagle3Teacher  # the target's distributions, compact (draft-vocabulary logits + full lse/argmax)
 
+    @property
+    def logits(self) -> torch.Tensor:
+        """The teacher's logits ``[B, T, Vd]`` in draft-id order (the full vocabulary before a drafter exists)."""
+        return self.teacher.logits
+
 
 def _softcap(model) -> float | None:
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -81,7 +86,7 @@ class Eagle3Method:
     def capture(self, target_model, batch) -> Capture:
         """The target's forward (its decoder only with the compact teacher: the lm_head is applied to the
         draft vocabulary and, for the log-normaliser and argmax, in vocabulary chunks)."""
-        d2t = self.d2t
+        d2t = self._teacher_rows(target_model)
         decoder = target_model.get_decoder() if self.compact else target_model
         if decoder is target_model:  # no separable decoder (or eagle3.compact_teacher=false): full logits
             out = target_model(input_ids=batch["input_ids"], **lm_inputs(batch), output_hidden_states=True,
@@ -101,12 +106,19 @@ class Eagle3Method:
     def capture_from_features(self, target_model, batch, feats: dict) -> Capture:
         """Offline capture: stored taps; the teacher recomputed with the target's lm_head from the stored
         last hidden state (the lm_head input), as in the online forward."""
-        d2t = self.d2t
+        d2t = self._teacher_rows(target_model)
         if self.compact:
             return Capture(taps=feats["taps"], teacher=compact_teacher(target_model, feats["last_hidden"], d2t))
         head = target_model.get_output_embeddings()
         logits = head(feats["last_hidden"].to(head.weight.dtype)).float()
         return Capture(taps=feats["taps"], teacher=teacher_from_logits(logits, d2t.to(logits.device)))
+
+    def _teacher_rows(self, target_model) -> torch.Tensor:
+        """``d2t`` of the drafter built by :meth:`build_drafter`; before that, every target id (offsets 0)."""
+        d2t = getattr(self, "d2t", None)
+        if d2t is None:
+            d2t = torch.zeros(target_model.get_output_embeddings().weight.shape[0], dtype=torch.long)
+        return d2t
 
     def valid_masks(self, drafter, batch, cap: Capture) -> list[torch.Tensor]:
         T = batch["input_ids"].shape[1]
