@@ -15,6 +15,8 @@ from drafttrain.data.packing import collate_packed, pack_features, pack_groups, 
 from drafttrain.losses import (eagle3_step_stats, eagle3_valid_mask, same_document, teacher_from_hidden,
                                teacher_from_logits)
 
+from .test_train_methods import _cfg
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 V = 61
@@ -41,15 +43,6 @@ def _examples(n=7, seed=0, lo=4, hi=26, lengths=None):
 def _target(cls=tf.LlamaForCausalLM, config=tf.LlamaConfig, seed=0, **over):
     torch.manual_seed(seed)
     return cls(config(**{**SMALL, **over})).eval().requires_grad_(False)
-
-
-def _cfg(section, **over):
-    import drafttrain.config as C
-
-    cfg = getattr(C, section)()
-    for k, v in over.items():
-        setattr(cfg, k, v)
-    return cfg
 
 
 # ------------------------------------------------------------------------------------------- layout
