@@ -13,7 +13,6 @@ Hydra overrides after the options select the target, data and method settings (a
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -97,8 +96,9 @@ def main(argv=None) -> int:
     for o in ops:
         print(f"  {o['op']:40s} {o['self_cpu_s']:.3f} s  x{o['calls']}")
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(res, indent=2) + "\n")
+        from drafttrain.io import write_json  # atomic; makes the parent directory
+
+        write_json(a.out, res)
     return 0
 
 

@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from drafttrain.io import write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -72,7 +75,7 @@ def main(argv=None) -> int:
                 rows.append(row)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    (out.with_suffix(".json")).write_text(json.dumps({"settings": vars(a), "rows": rows}, indent=2) + "\n")
+    write_json(out.with_suffix(".json"), {"settings": vars(a), "rows": rows})
     write_table(rows, a, out)
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out}, {out.with_suffix('.json')} and {out.with_suffix('.png')}")

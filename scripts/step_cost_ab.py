@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
 
 def run_arm(tree: Path, recipe: str, steps: int, extra: list[str], run_dir: Path) -> dict:
@@ -84,8 +85,9 @@ def main(argv=None) -> int:
     print(f"old/new CPU-s per step: median {summary['ratio_median']:.2f}x (min {min(ratios):.2f}, max "
           f"{max(ratios):.2f}) over {len(ratios)} repetitions", flush=True)
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(summary, indent=2) + "\n")
+        from drafttrain.io import write_json  # atomic; makes the parent directory
+
+        write_json(a.out, summary)
     return 0
 
 

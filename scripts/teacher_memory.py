@@ -125,8 +125,9 @@ def main(argv=None) -> int:
           f"whole step with checkpoint_head {summary['step_ratio_with_checkpoint_head']:.2f}x; loss relative "
           f"difference {summary['loss_rel_diff']:.1e}", flush=True)
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(summary, indent=2) + "\n")
+        from drafttrain.io import write_json  # atomic; makes the parent directory
+
+        write_json(a.out, summary)
     return 0
 
 
