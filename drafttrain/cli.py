@@ -45,21 +45,40 @@ def expand_shorthands(overrides: list[str]) -> list[str]:
     return out
 
 
+def known_failure(exc: BaseException) -> str | None:
+    """The one-line message for an error caused by input or state, or None for a bug (keep its traceback).
+
+    Input errors: DraftTrainError (the library's own checks), OmegaConf errors raised while the job reads its
+    config, OS errors naming a file (missing, unreadable, a directory where a file was expected) and damaged
+    safetensors files that a library read past the loaders' own checks."""
+    from omegaconf.errors import OmegaConfBaseException
+    from safetensors import SafetensorError
+
+    from .io import DraftTrainError
+
+    if isinstance(exc, DraftTrainError):
+        return str(exc)
+    if isinstance(exc, OmegaConfBaseException):
+        return str(exc).strip().splitlines()[0]
+    if isinstance(exc, OSError) and getattr(exc, "filename", None):
+        return f"{exc.filename}: {exc.strerror or type(exc).__name__}"
+    if isinstance(exc, SafetensorError):
+        return f"a safetensors file is damaged ({str(exc).strip().splitlines()[0]})"
+    return None
+
+
 def _report_errors(fn: Callable) -> Callable:
-    """Turn DraftTrainError (and config errors raised inside the job) into one line and exit status 2."""
+    """Turn errors caused by input or state (``known_failure``) into one line and exit status 2."""
 
     @functools.wraps(fn)
     def wrapper(cfg):
-        from omegaconf.errors import OmegaConfBaseException
-
-        from .io import DraftTrainError
-
         try:
             return fn(cfg)
-        except (DraftTrainError, OmegaConfBaseException) as e:
-            print(f"error: {e}".splitlines()[0] if isinstance(e, OmegaConfBaseException) else f"error: {e}",
-                  file=sys.stderr, flush=True)
-            sys.exit(2)
+        except Exception as e:
+            message = known_failure(e)
+            if message is None:
+                raise
+            _fail(message)
 
     return wrapper
 
@@ -68,8 +87,14 @@ def _describe_config_error(exc: BaseException) -> str:
     """One line for a composition error: which key, what is wrong, and a suggestion for a misspelled key."""
     import difflib
 
+    from hydra.errors import OverrideParseException
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+    if isinstance(exc, OverrideParseException):
+        lines = [ln for ln in str(exc).splitlines() if ln and not ln.startswith(("Error parsing", "See https"))]
+        key, _, value = str(exc.override).partition("=")
+        return (f"cannot parse the override {exc.override!r} ({lines[0] if lines else 'syntax error'}): quote a "
+                f"value that holds ( ) [ ] {{ }} , = ' \" or spaces, e.g. '{key}=\"{value}\"'")
     cause = exc
     while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
         cause = cause.__cause__
@@ -89,19 +114,31 @@ def _describe_config_error(exc: BaseException) -> str:
 
 
 def check_overrides(config_name: str, overrides: list[str]) -> None:
-    """Compose the config once up front so a bad key or value is reported in one line (exit status 2)."""
+    """Compose the config once up front and check every value (drafttrain.validate), so a bad key, value or
+    path is reported in one line (exit status 2) before the run directory exists or anything loads."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+
+    from .io import DraftTrainError
+    from .validate import check_job
 
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            compose(config_name=config_name, overrides=overrides)
+            cfg = compose(config_name=config_name, overrides=overrides)
     except Exception as e:  # hydra wraps every composition problem; report it as one line
-        print(f"error: {_describe_config_error(e)}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _fail(_describe_config_error(e))
     finally:
         GlobalHydra.instance().clear()
+    try:
+        check_job(config_name, cfg)
+    except DraftTrainError as e:
+        _fail(str(e))
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}".splitlines()[0], file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 # Hydra's own command-line flags whose value is the next argument (``--cfg job``, ``-p train``, ...);

@@ -16,28 +16,89 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+# ------------------------------------------------------------------------------------------ value rules
+# Every numeric field declares its range and every enumerated one its choices (``num``, ``nums``,
+# ``one_of``, ``matching``); drafttrain.validate checks them when the config is loaded, before anything
+# heavy runs, and tests/test_validate.py fails for a numeric field added without a range.
+
+
+@dataclass(frozen=True)
+class Range:
+    """An interval of allowed numbers; ``ge``/``gt`` bound it below, ``le``/``lt`` above (None: unbounded)."""
+
+    ge: Optional[float] = None
+    gt: Optional[float] = None
+    le: Optional[float] = None
+    lt: Optional[float] = None
+
+    def __contains__(self, x) -> bool:
+        return ((self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt)
+                and (self.le is None or x <= self.le) and (self.lt is None or x < self.lt))
+
+    def __str__(self) -> str:
+        lo = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}" if self.gt is not None else None
+        hi = f"{self.le:g}]" if self.le is not None else f"{self.lt:g})" if self.lt is not None else None
+        if lo and hi:
+            return f"in {lo}, {hi}"
+        if lo:
+            return f"{'>=' if self.ge is not None else '>'} {lo[1:]}"
+        return f"{'<=' if self.le is not None else '<'} {hi[:-1]}"
+
+
+def _field(default, **metadata):
+    if callable(default):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def num(default, *, ge=None, gt=None, le=None, lt=None):
+    """A number (or an optional list of numbers: each entry) in a range."""
+    return _field(default, range=Range(ge, gt, le, lt))
+
+
+nums = num  # a list of numbers, each in the range (default: a factory)
+
+
+def one_of(default, *choices):
+    """A string (or a list of strings: each entry) from ``choices``."""
+    return _field(default, choices=tuple(choices))
+
+
+def matching(default, pattern: str, allowed: str):
+    """A string matching the regular expression ``pattern`` (described to the user as ``allowed``)."""
+    return _field(default, pattern=(pattern, allowed))
+
+
+TARGET_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+STORAGE_DTYPES = ("bfloat16", "float16", "float32")
+EAGLE3_LOSSES = ("ce", "tv", "lk_hybrid")  # drafttrain.losses.EAGLE3_LOSSES (a test keeps them equal)
+TRAIN_METHODS = ("eagle3", "medusa", "medusa2", "distill")
+DECODE_METHODS = ("ar", "eagle3", "medusa", "draft_model", "pld", "oracle")
+CACHE_KINDS = ("auto", "static", "dynamic")
+BENCH_METHODS = ("ar", "draft_model", "pld", "pld_tree", "eagle3", "eagle3_tree")
+
 
 @dataclass
 class BuiltinTargetConfig:
     """Size and training budget of the built-in target (drafttrain.targets.builtin); ``key()`` names its
     cache entry, so changing any field builds (and caches) another target."""
 
-    vocab_size: int = 2048
-    hidden_size: int = 192
-    intermediate_size: int = 512
-    num_layers: int = 8
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    max_position_embeddings: int = 2048
-    seq_len: int = 256
-    batch_size: int = 16
-    steps: int = 420
-    lr: float = 3e-3
-    warmup_steps: int = 40
-    chat_fraction: float = 0.5
-    max_files: int = 0
-    eval_batches: int = 8
-    seed: int = 0
+    vocab_size: int = num(2048, ge=262)  # >= the 256 byte symbols + 6 chat specials
+    hidden_size: int = num(192, ge=1)
+    intermediate_size: int = num(512, ge=1)
+    num_layers: int = num(8, ge=4)  # EAGLE-3's default taps need 4
+    num_heads: int = num(4, ge=1)
+    num_kv_heads: int = num(2, ge=1)
+    max_position_embeddings: int = num(2048, ge=2)
+    seq_len: int = num(256, ge=2)
+    batch_size: int = num(16, ge=1)
+    steps: int = num(420, ge=0)
+    lr: float = num(3e-3, gt=0)
+    warmup_steps: int = num(40, ge=0)
+    chat_fraction: float = num(0.5, ge=0, le=1)
+    max_files: int = num(0, ge=0)  # 0: every stdlib file
+    eval_batches: int = num(8, ge=0)
+    seed: int = num(0, ge=0)
 
     def key(self) -> str:
         blob = json.dumps(dataclasses.asdict(self), sort_keys=True) + sys.version.split()[0]
@@ -48,8 +109,8 @@ class BuiltinTargetConfig:
 class TargetConfig:
     # "builtin", a local directory, or a hub name (hub names need the model in the local HF cache offline).
     name_or_path: str = "builtin"
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, fp32 on CPU)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = one_of("auto", "auto", *TARGET_DTYPES)  # auto: bf16 on CUDA, fp32 on CPU
+    device: str = matching("auto", r"auto|cpu|cuda(:\d+)?", "auto, cpu, cuda or cuda:N")
     trust_remote_code: bool = False
     attn_implementation: Optional[str] = "sdpa"
     revision: Optional[str] = None
@@ -60,32 +121,33 @@ class TargetConfig:
 class DataConfig:
     # builtin | jsonl | structured (evaluation only: prompts that each carry a JSON schema; the built-in
     # function-call set from stdlib signatures, or data.path / data.eval_path = JSONL rows {"messages", "schema"})
-    source: str = "builtin"
+    source: str = one_of("builtin", "builtin", "jsonl", "structured")
     path: Optional[str] = None  # jsonl: training conversations (ShareGPT or OpenAI shape)
     eval_path: Optional[str] = None  # jsonl: evaluation prompts (default: the last num_eval rows of path)
-    max_length: int = 512
-    overlong: str = "truncate"  # truncate | skip
+    max_length: int = num(512, ge=8)
+    overlong: str = one_of("truncate", "truncate", "skip")
     skip_invalid: bool = False  # skip (and count) invalid rows instead of stopping at the first
-    num_train: int = 1024  # builtin: conversations regenerated by the target
-    num_eval: int = 16  # evaluation prompts
+    num_train: int = num(1024, ge=1)  # builtin: conversations regenerated by the target
+    num_eval: int = num(16, ge=1)  # evaluation prompts
     regenerate: bool = True  # builtin: rewrite assistant turns with the target (self-distillation)
-    regen_max_new_tokens: int = 160
-    regen_temperature: float = 0.0
-    regen_batch_size: int = 32
-    seed: int = 0
+    regen_max_new_tokens: int = num(160, ge=1)
+    regen_temperature: float = num(0.0, ge=0)
+    regen_batch_size: int = num(32, ge=1)
+    seed: int = num(0, ge=0)
     # structured (built-in set): maxLength of string arguments in each row's schema; bounds every output's
     # length, so a grammar-constrained answer ends within decode.max_new_tokens (256 for the default 16)
-    structured_max_string_length: int = 16
+    structured_max_string_length: int = num(16, ge=1)
 
 
 @dataclass
 class Eagle3Config:
-    num_layers: int = 1
-    tap_layers: Optional[List[int]] = None  # HF hidden_states indices; default (2, L//2, L-3)
-    draft_vocab_size: Optional[int] = None  # default min(32000, V//2)
-    ttt_steps: int = 7
-    step_decay: float = 0.8
-    loss: str = "ce"  # ce (soft cross-entropy, EAGLE-3's) | tv (total variation = 1 - acceptance) | lk_hybrid
+    num_layers: int = num(1, ge=1)
+    tap_layers: Optional[List[int]] = num(None, ge=0)  # HF hidden_states indices; default (2, L//2, L-3)
+    draft_vocab_size: Optional[int] = num(None, ge=1)  # default min(32000, V//2)
+    ttt_steps: int = num(7, ge=1)
+    step_decay: float = num(0.8, gt=0, le=1)
+    # ce (soft cross-entropy, EAGLE-3's) | tv (total variation = 1 - acceptance) | lk_hybrid
+    loss: str = one_of("ce", *EAGLE3_LOSSES)
     # teacher over the draft vocabulary only (lm_head rows by d2t) + the full log-normaliser and argmax in
     # vocabulary chunks: the [B, T, V] float32 target logits are never built (same loss; less memory)
     compact_teacher: bool = True
@@ -97,16 +159,17 @@ class Eagle3Config:
     fc_norm: bool = True  # RMSNorm on each tap before fc
     norm_output: bool = True  # the next step reads the post-norm hidden state
     qk_norm: bool = False  # Qwen3-style draft layer (q/k RMSNorm per head)
-    init_layer: Optional[int] = None  # initialise the draft layer(s) from this target decoder layer (-1: last)
+    # initialise the draft layer(s) from this target decoder layer (-1: the last)
+    init_layer: Optional[int] = num(None, ge=-1)
 
 
 @dataclass
 class LoraConfig:
     """LoRA adapters via peft (Medusa-2's jointly trained target; optional on a pretrained distilled draft)."""
 
-    r: int = 32  # rank (Medusa-2 Vicuna-7B recipe: 32)
-    alpha: int = 16  # lora_alpha (scale alpha / r)
-    dropout: float = 0.05
+    r: int = num(32, ge=1)  # rank (Medusa-2 Vicuna-7B recipe: 32)
+    alpha: int = num(16, ge=1)  # lora_alpha (scale alpha / r)
+    dropout: float = num(0.05, ge=0, lt=1)
     # peft target_modules: ["all-linear"] (every linear layer but the LM head) or module names (q_proj, ...)
     target_modules: List[str] = field(default_factory=lambda: ["all-linear"])
 
@@ -115,65 +178,65 @@ class LoraConfig:
 class MedusaConfig:
     """Medusa heads (recipe=medusa: Medusa-1, frozen target; recipe=medusa2: Medusa-2, joint LoRA training)."""
 
-    num_heads: int = 4  # K heads; head k predicts the token k+2 ahead
-    num_layers: int = 1  # residual blocks x + SiLU(Wx + b) per head (W, b zero-initialised)
-    step_decay: float = 0.8  # head k's loss weight is heads_coefficient * step_decay**k
-    heads_coefficient: float = 1.0  # Medusa-1: 1.0; Medusa-2 recipe: 0.2 (the LM loss has weight 1)
+    num_heads: int = num(4, ge=1)  # K heads; head k predicts the token k+2 ahead
+    num_layers: int = num(1, ge=0)  # residual blocks x + SiLU(Wx + b) per head (W, b zero-initialised)
+    step_decay: float = num(0.8, gt=0, le=1)  # head k's loss weight is heads_coefficient * step_decay**k
+    heads_coefficient: float = num(1.0, gt=0)  # Medusa-1: 1.0; Medusa-2 recipe: 0.2 (the LM loss has weight 1)
     # Medusa-2 only -------------------------------------------------------------------------------
-    head_lr_multiplier: float = 4.0  # head learning rate = train.lr * this (LoRA parameters get train.lr)
+    head_lr_multiplier: float = num(4.0, gt=0)  # head learning rate = train.lr * this (LoRA parameters get train.lr)
     self_distillation: bool = True  # LM loss = KL(target without adapters || adapted target); false: CE on data
-    lm_loss_weight: float = 1.0  # weight of that LM loss
+    lm_loss_weight: float = num(1.0, ge=0)  # weight of that LM loss
     init_heads: Optional[str] = None  # warm-start the heads from a saved Medusa-1 drafter directory (stage 1)
     lora: LoraConfig = field(default_factory=LoraConfig)
     # tree (decode.tree.enabled): the static tree is chosen from the per-head top-k accuracy measured in the
     # last training steps (tree_top_k ranks per head), greedily adding the node with the largest path product
-    tree_top_k: int = 8
-    tree_num_nodes: int = 32  # draft nodes in the default tree (decode.tree.total_tokens overrides at decode)
+    tree_top_k: int = num(8, ge=1)
+    tree_num_nodes: int = num(32, ge=1)  # draft nodes in the default tree (decode.tree.total_tokens overrides)
 
 
 @dataclass
 class DistillConfig:
     """recipe=distill: a small causal LM sharing the target's tokenizer, distilled toward the target."""
 
-    init: str = "from_target_layers"  # from_config | from_target_layers | from_pretrained
-    num_layers: int = 2  # draft decoder layers (from_config, from_target_layers)
-    hidden_size: Optional[int] = None  # from_config: narrower width (None: the target's)
-    intermediate_size: Optional[int] = None  # from_config: MLP width (None: scaled with hidden_size)
+    init: str = one_of("from_target_layers", "from_config", "from_target_layers", "from_pretrained")
+    num_layers: int = num(2, ge=1)  # draft decoder layers (from_config, from_target_layers)
+    hidden_size: Optional[int] = num(None, ge=1)  # from_config: narrower width (None: the target's)
+    intermediate_size: Optional[int] = num(None, ge=1)  # from_config: MLP width (None: scaled with hidden_size)
     pretrained: Optional[str] = None  # from_pretrained: an HF causal LM dir with the target's vocabulary
     # fkl | rkl | jsd | tvd | a mix "fkl:0.5,tvd:0.5" | ce (plain next-token CE on the data: the baseline)
     loss: str = "fkl"
-    jsd_beta: float = 0.5  # JSD(beta): 0 = forward KL, 1 = reverse KL
-    temperature: float = 1.0  # KD temperature on both distributions (no T^2 factor)
+    jsd_beta: float = num(0.5, ge=0, le=1)  # JSD(beta): 0 = forward KL, 1 = reverse KL
+    temperature: float = num(1.0, gt=0)  # KD temperature on both distributions (no T^2 factor)
     # data: the fixed dataset (data.regenerate=false), teacher-generated (data.regenerate=true, the default),
     # or on-policy: this fraction of every micro-batch is replaced by continuations the draft samples itself
     # from the same prompts (scored by the target), as in DistillSpec / GKD
-    on_policy_ratio: float = 0.0
-    on_policy_max_new_tokens: int = 64
-    on_policy_temperature: float = 1.0  # the draft's sampling temperature for on-policy sequences
+    on_policy_ratio: float = num(0.0, ge=0, le=1)
+    on_policy_max_new_tokens: int = num(64, ge=1)
+    on_policy_temperature: float = num(1.0, ge=0)  # the draft's sampling temperature for on-policy sequences
     use_lora: bool = False  # train LoRA adapters on the draft (e.g. a from_pretrained one) instead of all weights
     lora: LoraConfig = field(default_factory=lambda: LoraConfig(r=16, alpha=32, dropout=0.0))
-    seed: int = 0  # random init of from_config
+    seed: int = num(0, ge=0)  # random init of from_config
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 300  # optimizer updates
-    batch_size: int = 16  # sequences per optimizer update, over all processes
-    micro_batch_size: int = 8  # sequences per forward on one process
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    grad_clip: float = 0.5
-    mixed_precision: str = "auto"  # auto | no | bf16 | fp16 (auto: bf16 on CUDA, no on CPU)
+    max_steps: int = num(300, ge=1)  # optimizer updates
+    batch_size: int = num(16, ge=1)  # sequences per optimizer update, over all processes
+    micro_batch_size: int = num(8, ge=1)  # sequences per forward on one process
+    lr: float = num(3e-4, gt=0)
+    min_lr_ratio: float = num(0.1, ge=0, le=1)
+    warmup_steps: int = num(20, ge=0)
+    weight_decay: float = num(0.0, ge=0)
+    betas: List[float] = nums(lambda: [0.9, 0.95], ge=0, lt=1)  # Adam (beta1, beta2)
+    grad_clip: float = num(0.5, ge=0)  # max gradient norm (0: no clipping)
+    mixed_precision: str = one_of("auto", "auto", "no", "bf16", "fp16")  # auto: bf16 on CUDA, no on CPU
     # pack each micro-batch's conversations into rows of up to data.max_length tokens (documents isolated by
     # position restarts; the same loss as one conversation per padded row, with far less padding)
     packing: bool = True
-    seed: int = 0
-    save_every: int = 0  # optimizer steps between checkpoints (0: only at the end)
-    keep_checkpoints: int = 2
-    log_every: int = 10
+    seed: int = num(0, ge=0)
+    save_every: int = num(0, ge=0)  # optimizer steps between checkpoints (0: only at the end)
+    keep_checkpoints: int = num(2, ge=1)
+    log_every: int = num(10, ge=1)
     resume: Optional[str] = None  # a checkpoint directory, or "auto" (latest in this run directory)
     eval: bool = True  # evaluate the final drafter in the speculative decoder
     # also decode with every intermediate checkpoint (report.json in its directory; eval/* logged at its step)
@@ -185,46 +248,48 @@ class TreeConfig:
     """Tree drafting (decode.method=eagle3 / medusa / oracle): one target forward verifies a token tree."""
 
     enabled: bool = False  # draft a tree instead of a chain
-    depth: int = 6  # the most draft tokens along a path (eagle3: depth - 1 batched drafter steps per round)
-    top_k: int = 8  # eagle3: children per expanded node and frontier width; oracle: siblings per depth
-    total_tokens: int = 48  # draft nodes verified per round (root excluded); medusa: nodes of the chosen tree
+    depth: int = num(6, ge=1)  # the most draft tokens along a path (eagle3: depth - 1 batched drafter steps per round)
+    top_k: int = num(8, ge=1)  # eagle3: children per expanded node and frontier width; oracle: siblings per depth
+    # draft nodes verified per round (root excluded); medusa: nodes of the chosen tree; eagle3: at most
+    # top_k + (depth - 1) * top_k**2 (the candidates a round scores)
+    total_tokens: int = num(48, ge=1)
     # medusa: the static tree as Medusa choices (paths of top-k ranks, e.g. [[0],[1],[0,0]]); None = chosen
     # from the drafter's saved per-head accuracy (total_tokens nodes), else its saved tree, else the default
-    medusa_choices: Optional[List[List[int]]] = None
+    medusa_choices: Optional[List[List[int]]] = num(None, ge=0)
 
 
 @dataclass
 class DecodeConfig:
-    method: str = "eagle3"  # ar | eagle3 | medusa | draft_model | pld | oracle
-    num_draft_tokens: int = 4
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 96
-    num_prompts: int = 16
-    seed: int = 0
-    repeats: int = 1  # timed passes over the prompts (AR and speculative interleaved per prompt)
-    warmup: int = 1  # untimed warm-ups before timing (one prompt; with compile, a pass over every prompt)
+    method: str = one_of("eagle3", *DECODE_METHODS)
+    num_draft_tokens: int = num(4, ge=0)  # >= 1 for every method but ar
+    temperature: float = num(0.0, ge=0)  # 0: greedy
+    top_k: int = num(0, ge=0)  # 0: no top-k cut
+    top_p: float = num(1.0, gt=0, le=1)
+    max_new_tokens: int = num(96, ge=1)
+    num_prompts: int = num(16, ge=1)
+    seed: int = num(0, ge=0)
+    repeats: int = num(1, ge=1)  # timed passes over the prompts (AR and speculative interleaved per prompt)
+    warmup: int = num(1, ge=0)  # untimed warm-ups before timing (one prompt; with compile, a pass over every prompt)
     draft_model: Optional[str] = None  # decode.method=draft_model: a causal LM sharing the tokenizer
-    pld_max_ngram: int = 3
+    pld_max_ngram: int = num(3, ge=1)
     plot: bool = True
     tree: TreeConfig = field(default_factory=TreeConfig)
     # target KV cache: auto (static preallocated where the model allows, else HF DynamicCache) | static | dynamic
-    cache: str = "auto"
+    cache: str = one_of("auto", *CACHE_KINDS)
     static_shapes: bool = False  # pad verify forwards to fixed sizes (what CUDA graphs need)
-    buckets: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # static_shapes: padded sizes
+    buckets: List[int] = nums(lambda: [1, 2, 4, 8, 16, 32, 64], ge=1)  # static_shapes: padded sizes
     # with static_shapes: torch.compile the verify forward and the EAGLE-3 / draft-model draft steps (CUDA:
     # mode="reduce-overhead", i.e. CUDA graphs; CPU: inductor); compiles once per shape at warm-up
     compile: bool = False
     # Medusa's typical acceptance when sampling: LOSSY (the output is not the target's distribution); off by
     # default and reported as lossy
     typical_acceptance: bool = False
-    typical_epsilon: float = 0.09  # accept x if p(x) > min(epsilon, delta * exp(-entropy(p)))
-    typical_delta: float = 0.3
+    typical_epsilon: float = num(0.09, gt=0, lt=1)  # accept x if p(x) > min(epsilon, delta * exp(-entropy(p)))
+    typical_delta: float = num(0.3, gt=0)
     # draft lengths (trees: depths) timed for the speedup-vs-draft-length plot (speedup.png);
     # None = automatic (1, 2, 4, 8 and the configured one), [] = no sweep
-    sweep: Optional[List[int]] = None
-    sweep_prompts: int = 4  # the sweep runs on the first N prompts (0 = no sweep)
+    sweep: Optional[List[int]] = num(None, ge=1)
+    sweep_prompts: int = num(4, ge=0)  # the sweep runs on the first N prompts (0 = no sweep)
     # Grammar-constrained decoding (drafttrain.structured, xgrammar): None = unconstrained; "json" = any JSON
     # object/array (built-in JSON grammar); "regex:<pattern>"; or a path to a JSON-schema file. The target's
     # distribution and the drafter's proposals are masked by the grammar; stop tokens only once it is complete.
@@ -234,10 +299,10 @@ class DecodeConfig:
 
 @dataclass
 class LoggerConfig:
-    kind: str = "wandb"  # none | wandb | tensorboard
+    kind: str = one_of("wandb", "none", "wandb", "tensorboard")
     project: str = "drafttrain"
     run_name: Optional[str] = None
-    mode: str = "auto"  # auto (offline without an API key) | online | offline
+    mode: str = one_of("auto", "auto", "online", "offline")  # auto: offline without an API key
 
 
 @dataclass
@@ -245,17 +310,18 @@ class CaptureConfig:
     """Hidden-state capture (drafttrain.capture). Online: the frozen target runs inside the training loop.
     Offline: `drafttrain capture` writes the features once (sharded safetensors + index); training reads them."""
 
-    mode: str = "online"  # train: online | offline (read the features stored under `path`)
+    mode: str = one_of("online", "online", "offline")  # train: online | offline (read the features stored under `path`)
     path: Optional[str] = None  # the feature directory (`drafttrain capture` writes it; offline training reads it)
-    dtype: str = "bfloat16"  # capture: storage dtype of hidden states, bfloat16 | float16 | float32
-    batch_size: int = 8  # capture: sequences per target forward
-    shard_mb: float = 1024.0  # capture: size of one shard file in MiB (a shard holds whole examples)
-    verify: str = "lazy"  # train: shard sha256 check: lazy (on a shard's first read) | full (all up front) | size
+    dtype: str = one_of("bfloat16", *STORAGE_DTYPES)  # capture: storage dtype of hidden states
+    batch_size: int = num(8, ge=1)  # capture: sequences per target forward
+    shard_mb: float = num(1024.0, gt=0)  # capture: size of one shard file in MiB (a shard holds whole examples)
+    # train: shard sha256 check: lazy (on a shard's first read) | full (all up front) | size
+    verify: str = one_of("lazy", "lazy", "full", "size")
 
 
 @dataclass
 class TrainJob:
-    method: str = "eagle3"  # eagle3 | medusa | medusa2 | distill (set by the recipe)
+    method: str = one_of("eagle3", *TRAIN_METHODS)  # set by the recipe
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eagle3: Eagle3Config = field(default_factory=Eagle3Config)
@@ -271,7 +337,8 @@ class TrainJob:
 class CaptureJob:
     """`drafttrain capture`: the target's features over the training data of `data`, written to capture.path."""
 
-    method: str = "eagle3"  # which features: eagle3 (3 taps + last hidden) | medusa | distill (last hidden)
+    # which features: eagle3 (3 taps + last hidden) | medusa | distill (last hidden)
+    method: str = one_of("eagle3", "eagle3", "medusa", "distill")
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eagle3: Eagle3Config = field(default_factory=Eagle3Config)  # only eagle3.tap_layers is used here
@@ -283,12 +350,13 @@ class ExportJob:
     """`drafttrain export`: a trained drafter in the on-disk layout a serving engine loads."""
 
     drafter: str = MISSING  # a saved drafter directory (runs/<run>/final)
-    format: str = MISSING  # vllm | sglang | hf (EAGLE-3: vllm = speculators layout, sglang = flat Eagle3 layout)
+    # EAGLE-3: vllm = speculators layout, sglang = flat Eagle3 layout
+    format: str = one_of(MISSING, "vllm", "sglang", "hf")
     out: str = MISSING  # the output directory; must not exist or be empty unless overwrite=true
     overwrite: bool = False  # replace a non-empty `out`
-    dtype: str = "bfloat16"  # floating-point tensors: bfloat16 | float16 | float32
+    dtype: str = one_of("bfloat16", *STORAGE_DTYPES)  # floating-point tensors
     verifier: Optional[str] = None  # verifier name/path written into the config (default: the training target)
-    num_speculative_tokens: int = 3  # vllm EAGLE-3: speculators_config proposal default (serve can override)
+    num_speculative_tokens: int = num(3, ge=1)  # vllm EAGLE-3: speculators_config proposal default (serve can override)
 
 
 @dataclass
@@ -312,25 +380,24 @@ class BenchJob:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     # rows: ar | draft_model | pld | pld_tree | eagle3 (chain) | eagle3_tree
-    methods: List[str] = field(default_factory=lambda: ["ar", "draft_model", "pld", "pld_tree", "eagle3",
-                                                         "eagle3_tree"])
-    num_prompts: int = 8  # held-out prompts from `data`
-    max_new_tokens: int = 128
-    warmup: int = 1  # untimed passes over all prompts, per method (compilation happens there)
-    runs: int = 3  # timed passes over all prompts; the table reports medians
-    num_draft_tokens: int = 4  # ours: K of draft_model (and of the eagle3 chain unless set below)
-    eagle3_num_draft_tokens: Optional[int] = None  # ours: K of the eagle3 chain (None: num_draft_tokens)
-    pld_num_tokens: int = 10  # prompt lookup: drafts per round, ours and HF (prompt_lookup_num_tokens)
-    pld_max_ngram: int = 3  # prompt lookup: longest n-gram matched, ours and HF (max_matching_ngram_size)
-    pld_tree_branches: int = 4  # pld_tree: continuations of up to this many matches, merged into one tree
-    pld_tree_nodes: int = 32  # pld_tree: the most draft nodes per round
-    hf_num_assistant_tokens: Optional[int] = None  # HF assisted generation: None = HF's default schedule
+    methods: List[str] = one_of(lambda: list(BENCH_METHODS), *BENCH_METHODS)
+    num_prompts: int = num(8, ge=1)  # held-out prompts from `data`
+    max_new_tokens: int = num(128, ge=1)
+    warmup: int = num(1, ge=0)  # untimed passes over all prompts, per method (compilation happens there)
+    runs: int = num(3, ge=1)  # timed passes over all prompts; the table reports medians
+    num_draft_tokens: int = num(4, ge=1)  # ours: K of draft_model (and of the eagle3 chain unless set below)
+    eagle3_num_draft_tokens: Optional[int] = num(None, ge=1)  # ours: K of the eagle3 chain (None: num_draft_tokens)
+    pld_num_tokens: int = num(10, ge=1)  # prompt lookup: drafts per round, ours and HF (prompt_lookup_num_tokens)
+    pld_max_ngram: int = num(3, ge=1)  # prompt lookup: longest n-gram matched, ours and HF (max_matching_ngram_size)
+    pld_tree_branches: int = num(4, ge=1)  # pld_tree: continuations of up to this many matches, merged into one tree
+    pld_tree_nodes: int = num(32, ge=1)  # pld_tree: the most draft nodes per round
+    hf_num_assistant_tokens: Optional[int] = num(None, ge=1)  # HF assisted generation: None = HF's default schedule
     tree: TreeConfig = field(default_factory=TreeConfig)  # eagle3_tree: depth, top_k, total_tokens
-    cache: str = "auto"  # our target KV cache: auto | static | dynamic
+    cache: str = one_of("auto", *CACHE_KINDS)  # our target KV cache
     static_shapes: bool = False  # our CUDA-graph path (padded verify, static draft steps)
-    buckets: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # static_shapes: padded sizes
+    buckets: List[int] = nums(lambda: [1, 2, 4, 8, 16, 32, 64], ge=1)  # static_shapes: padded sizes
     compile: bool = False  # with static_shapes: torch.compile (CUDA graphs on CUDA, inductor on CPU)
-    threads: int = 0  # torch.set_num_threads for the run (0: leave as is)
+    threads: int = num(0, ge=0)  # torch.set_num_threads for the run (0: leave as is)
 
 
 @dataclass
@@ -342,12 +409,12 @@ class TuneJob:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)  # method, tree.enabled, draft_model, cache ...
-    max_draft_tokens: int = 8  # chains: K candidates 0..max_draft_tokens (calibrated at the largest)
-    tree_sizes: List[int] = field(default_factory=lambda: [8, 16, 32, 48, 64])  # trees: total_tokens candidates
-    num_prompts: int = 4  # calibration prompts from `data`
-    max_new_tokens: int = 64
-    repeats: int = 5  # timed repetitions of each target forward size (median)
-    threads: int = 0  # torch.set_num_threads for the run (0: leave as is)
+    max_draft_tokens: int = num(8, ge=1)  # chains: K candidates 0..max_draft_tokens (calibrated at the largest)
+    tree_sizes: List[int] = nums(lambda: [8, 16, 32, 48, 64], ge=1)  # trees: total_tokens candidates
+    num_prompts: int = num(4, ge=1)  # calibration prompts from `data`
+    max_new_tokens: int = num(64, ge=1)
+    repeats: int = num(5, ge=1)  # timed repetitions of each target forward size (median)
+    threads: int = num(0, ge=0)  # torch.set_num_threads for the run (0: leave as is)
 
 
 @dataclass
@@ -360,11 +427,11 @@ class RegenerateJob:
     target: TargetConfig = field(default_factory=TargetConfig)
     input: str = MISSING
     output: str = MISSING
-    batch_size: int = 16
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+    batch_size: int = num(16, ge=1)
+    max_new_tokens: int = num(256, ge=1)
+    temperature: float = num(0.0, ge=0)
+    top_p: float = num(1.0, gt=0, le=1)
+    seed: int = num(0, ge=0)
 
 
 def register_configs() -> None:

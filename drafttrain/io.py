@@ -17,8 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-class DraftTrainError(Exception):
-    """An error caused by user input or state; the CLI prints its message on one line and exits 2."""
+class DraftTrainError(ValueError):
+    """An error caused by user input or state; the CLI prints its message on one line and exits 2.
+
+    A ValueError, so library callers that catch ValueError for a bad argument keep working."""
 
 
 def _fsync_dir(path: Path) -> None:

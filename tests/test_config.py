@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 import drafttrain.config as C
 from drafttrain.cli import CONF_DIR, _without_hydra_flags, expand_shorthands
+from drafttrain.validate import check_values
 
 from .conftest import REPO
 
@@ -47,6 +48,7 @@ def test_primary_configs_compose(name):
     cfg = _compose(name, REQUIRED.get(name, []))
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, PRIMARY[name])
+    check_values(name, cfg)  # every shipped default is inside its declared range
 
 
 def _group_cases():
@@ -65,6 +67,7 @@ def test_every_group_option_composes(primary, group, opt):
     cfg = _compose(primary, [f"{group}={opt}", *GROUP_REQUIRED.get((group, opt), [])])
     obj = OmegaConf.to_object(cfg)  # validates every value against the dataclass types
     assert isinstance(obj, PRIMARY[primary])
+    check_values(primary, cfg)  # and against the declared ranges and rules
     if group == "recipe":
         assert obj.method == opt
 

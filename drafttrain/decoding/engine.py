@@ -39,6 +39,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..io import DraftTrainError
 from .proposers import Proposer
 from .sampling import SamplingParams, sample, verify_chain_greedy, verify_chain_sampling
 from .target import TargetRunner, _sync
@@ -103,9 +104,13 @@ class SpecDecoder:
         typical_delta: float = 0.3,
     ):
         if num_draft_tokens < 0:
-            raise ValueError("num_draft_tokens must be >= 0")
+            raise DraftTrainError(f"decode.num_draft_tokens={num_draft_tokens}: must be >= 0")
+        if temperature < 0:
+            raise DraftTrainError(f"decode.temperature={temperature}: must be >= 0")
+        if top_k < 0:
+            raise DraftTrainError(f"decode.top_k={top_k}: must be >= 0")
         if not 0.0 < top_p <= 1.0:
-            raise ValueError("top_p must be in (0, 1]")
+            raise DraftTrainError(f"decode.top_p={top_p}: must be in (0, 1]")
         self.target = target
         self.proposer = proposer
         self.K = int(num_draft_tokens)

@@ -88,7 +88,9 @@ def _target_config(target_cfg, device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve_target_path(target_cfg)
-    if not Path(path).exists() and ("/" not in path or path.startswith((".", "/", "~"))):
+    from ..validate import looks_local
+
+    if looks_local(path) and not Path(path).expanduser().is_dir():
         raise DraftTrainError(f"target.name_or_path={path}: no such directory (and not a hub name)")
     dev = resolve_device(target_cfg.device) if device is None else torch.device(device)
     dtype = resolve_dtype(target_cfg.dtype, dev)
@@ -112,9 +114,11 @@ def load_target(target_cfg, device: torch.device | str | None = None):
     kwargs = dict(dtype=dtype, trust_remote_code=target_cfg.trust_remote_code, revision=target_cfg.revision)
     if target_cfg.attn_implementation:
         kwargs["attn_implementation"] = target_cfg.attn_implementation
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         first = str(e).strip().splitlines()[0]
         raise DraftTrainError(f"target.name_or_path={path}: cannot load the model weights ({first})") from None
     except ValueError as e:

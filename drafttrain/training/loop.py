@@ -528,6 +528,11 @@ def _offline_data(job, tname: str):
     return store, examples, eval_conversations(job.data), stats
 
 
+def check_offline(job) -> None:
+    """capture.mode=offline: refuse a method that cannot train from stored features (drafttrain.validate)."""
+    _refuse_offline(job, _method_class(job)[0])
+
+
 def _refuse_offline(job, cls) -> None:
     """capture.mode=offline with a method (or a setting of it) that cannot train from stored features."""
     why = cls.offline_unsupported(job) if hasattr(cls, "offline_unsupported") else None

@@ -1,0 +1,245 @@
+"""Check a composed job config before anything heavy runs: ranges, choices, cross-field rules and paths.
+
+``check_job(job, cfg)`` is called by the CLI right after Hydra composes the config (before the run directory
+exists, before a model loads). The ranges and choices are declared beside the fields in
+drafttrain/config.py (``num``, ``one_of``, ``matching``); the rules that tie several fields together and the
+path checks are here. Every failure is one ``DraftTrainError`` line naming the key, the value and what is
+allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from . import config as C
+from .io import DraftTrainError
+
+JOB_SCHEMAS = {
+    "train": C.TrainJob,
+    "eval": C.EvalJob,
+    "bench": C.BenchJob,
+    "tune": C.TuneJob,
+    "build_target": C.BuildTargetJob,
+    "regenerate": C.RegenerateJob,
+    "capture": C.CaptureJob,
+    "export": C.ExportJob,
+}
+
+
+def check_job(job: str, cfg: DictConfig) -> None:
+    """Raise DraftTrainError (one line) for the first value of ``cfg`` that job ``job`` cannot run with."""
+    check_values(job, cfg)
+    check_paths(job, cfg)
+
+
+def check_values(job: str, cfg: DictConfig) -> None:
+    """The ranges, choices and cross-field rules (everything but the paths)."""
+    check_fields(cfg, JOB_SCHEMAS[job])
+    _check_rules(job, cfg)
+
+
+# ------------------------------------------------------------------------------------ per-field rules
+
+
+def _fmt(value) -> str:
+    if isinstance(value, (ListConfig, list, tuple)):
+        return "[" + ",".join(_fmt(v) for v in value) + "]"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _flatten(value) -> list:
+    if isinstance(value, (ListConfig, list, tuple)):
+        return [x for v in value for x in _flatten(v)]
+    return [value]
+
+
+def check_fields(cfg: DictConfig, schema: type, prefix: str = "") -> None:
+    """The ranges, choices and patterns declared in drafttrain/config.py, over ``cfg`` and its sub-configs."""
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        key = prefix + f.name
+        if OmegaConf.is_missing(cfg, f.name):
+            continue  # a mandatory value: OmegaConf names it when the job reads it
+        value = cfg[f.name]
+        sub = hints[f.name]
+        if dataclasses.is_dataclass(sub):
+            check_fields(value, sub, key + ".")
+            continue
+        if value is None:
+            continue  # Optional fields: None means "the default behaviour"
+        entries = _flatten(value)
+        shown = f"{key}={_fmt(value)}"
+        each = " (every entry)" if isinstance(value, ListConfig) else ""
+        meta = f.metadata
+        for x in entries:
+            if "range" in meta and x not in meta["range"]:
+                raise DraftTrainError(f"{shown}: must be {meta['range']}{each}")
+            if "choices" in meta and x not in meta["choices"]:
+                raise DraftTrainError(f"{shown}: expected one of {', '.join(meta['choices'])}{each}")
+            if "pattern" in meta and not re.fullmatch(meta["pattern"][0], str(x)):
+                raise DraftTrainError(f"{shown}: expected {meta['pattern'][1]}")
+
+
+# -------------------------------------------------------------------------------- cross-field rules
+
+
+def _get(cfg: DictConfig, key: str):
+    return OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+
+
+def _check_rules(job: str, cfg: DictConfig) -> None:
+    if "target" in cfg and _get(cfg, "target.name_or_path") == "builtin":
+        _check_builtin(cfg.target.builtin)
+    if "train" in cfg:
+        _check_train(cfg.train)
+    if job in ("train", "capture") and cfg.eagle3.tap_layers is not None and len(cfg.eagle3.tap_layers) != 3:
+        raise DraftTrainError(f"eagle3.tap_layers={_fmt(cfg.eagle3.tap_layers)}: expected exactly 3 layer indices")
+    if job == "train" and cfg.method == "distill":
+        _check_distill(cfg.distill)
+    if job == "train" and cfg.capture.mode == "offline":
+        from .training.loop import check_offline
+
+        check_offline(cfg)
+    if "data" in cfg and job in ("train", "capture") and cfg.data.source == "jsonl" and not cfg.data.path:
+        raise DraftTrainError("data.path is required with data=jsonl (the training conversations)")
+    if "decode" in cfg:
+        _check_decode(cfg.decode, job)
+    if job == "bench":
+        _ascending(cfg.buckets, "buckets")
+    if job == "tune":
+        _ascending(cfg.tree_sizes, "tree_sizes")
+
+
+def _check_builtin(b: DictConfig) -> None:
+    if b.hidden_size % b.num_heads:
+        raise DraftTrainError(f"target.builtin.hidden_size={b.hidden_size}: must be a multiple of "
+                              f"target.builtin.num_heads ({b.num_heads})")
+    if b.num_heads % b.num_kv_heads:
+        raise DraftTrainError(f"target.builtin.num_heads={b.num_heads}: must be a multiple of "
+                              f"target.builtin.num_kv_heads ({b.num_kv_heads})")
+    if b.seq_len > b.max_position_embeddings:
+        raise DraftTrainError(f"target.builtin.seq_len={b.seq_len}: must be <= "
+                              f"target.builtin.max_position_embeddings ({b.max_position_embeddings})")
+
+
+def _check_train(t: DictConfig) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if t.batch_size % (t.micro_batch_size * world):
+        procs = f" x {world} processes" if world > 1 else ""
+        raise DraftTrainError(f"train.batch_size={t.batch_size}: must be a multiple of train.micro_batch_size "
+                              f"({t.micro_batch_size}){procs}")
+    if len(t.betas) != 2:
+        raise DraftTrainError(f"train.betas={_fmt(t.betas)}: expected two numbers (beta1, beta2)")
+
+
+def _check_distill(d: DictConfig) -> None:
+    from .training.distill import parse_loss
+
+    parse_loss(d.loss)
+    if d.init == "from_pretrained" and not d.pretrained:
+        raise DraftTrainError("distill.pretrained is required with distill.init=from_pretrained")
+
+
+def _check_decode(d: DictConfig, job: str) -> None:
+    if d.method != "ar" and d.num_draft_tokens < 1:
+        raise DraftTrainError(f"decode.num_draft_tokens={d.num_draft_tokens}: must be >= 1 for "
+                              f"decode.method={d.method} (0 drafts is plain decoding: decode.method=ar)")
+    if job in ("eval", "tune") and d.method == "draft_model" and not d.draft_model:
+        raise DraftTrainError("decode.draft_model is required with decode.method=draft_model")
+    t = d.tree
+    if t.enabled and d.method == "eagle3" and t.total_tokens > t.top_k + (t.depth - 1) * t.top_k ** 2:
+        raise DraftTrainError(
+            f"decode.tree.total_tokens={t.total_tokens}: must be <= top_k + (depth - 1) * top_k**2 = "
+            f"{t.top_k + (t.depth - 1) * t.top_k ** 2} (the candidates one round of decode.tree.depth={t.depth}, "
+            f"decode.tree.top_k={t.top_k} scores)")
+    _ascending(d.buckets, "decode.buckets")
+    if d.grammar is not None and str(d.grammar).lower() != "none":
+        check_grammar(str(d.grammar))
+
+
+def _ascending(values, key: str) -> None:
+    v = list(values)
+    if any(b <= a for a, b in zip(v, v[1:])):
+        raise DraftTrainError(f"{key}={_fmt(values)}: must be strictly increasing")
+
+
+def check_grammar(spec: str, where: str = "decode.grammar") -> None:
+    """Parse the grammar spec and compile its regex / JSON schema without a tokenizer (cheap), so a malformed
+    one is reported, naming ``where``, before the target loads."""
+    from .structured.grammar import _xgr, parse_spec
+
+    gspec = parse_spec(spec, where)
+    if gspec.kind == "json":
+        return
+    xgr = _xgr()
+    try:
+        if gspec.kind == "regex":
+            xgr.Grammar.from_regex(gspec.regex)
+        else:
+            xgr.Grammar.from_json_schema(gspec.schema_text)
+    except (RuntimeError, ValueError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", msg)
+        raise DraftTrainError(f"{where} ({gspec.describe()}): not a valid grammar: {msg}") from None
+
+
+# ----------------------------------------------------------------------------------------------- paths
+
+
+def looks_local(value: str) -> bool:
+    """A model name that must be a local directory: it exists, or is written as a path (``./x``, ``/x``,
+    ``~/x``, ``a/b/c``, a backslash). ``org/name`` that does not exist is a hub name."""
+    v = str(value)
+    return (Path(os.path.expanduser(v)).exists() or v.startswith((".", "/", "~")) or "\\" in v
+            or v.count("/") >= 2)
+
+
+def _missing(value: str, kind: str) -> str | None:
+    p = Path(os.path.expanduser(str(value)))
+    if kind == "file":
+        return None if p.is_file() else "not a file" if p.exists() else "no such file"
+    if kind == "model" and not looks_local(value):
+        return None  # a hub name: the loader resolves it (the local HF cache when offline)
+    return None if p.is_dir() else "not a directory" if p.exists() else "no such directory"
+
+
+def _path_settings(job: str, cfg: DictConfig) -> list[tuple[str, str]]:
+    """``(key, kind)`` of the path-like settings this job will read; kind: model (a directory or a hub name),
+    dir, file."""
+    out = [("target.name_or_path", "model")] if _get(cfg, "target.name_or_path") not in (None, "builtin") else []
+    if job in ("eval", "export", "bench", "tune"):
+        out.append(("drafter", "dir"))
+    if "data" in cfg and cfg.data.source in ("jsonl", "structured"):
+        out += [("data.path", "file"), ("data.eval_path", "file")]
+    if "decode" in cfg and cfg.decode.method == "draft_model":
+        out.append(("decode.draft_model", "model"))
+    if job == "bench" and cfg.draft_model != "builtin-small" and "draft_model" in cfg.methods:
+        out.append(("draft_model", "model"))
+    if job == "train":
+        if cfg.method == "distill" and cfg.distill.init == "from_pretrained":
+            out.append(("distill.pretrained", "model"))
+        if cfg.method in ("medusa", "medusa2"):
+            out.append(("medusa.init_heads", "dir"))
+        if cfg.capture.mode == "offline":
+            out.append(("capture.path", "dir"))
+        if cfg.train.resume != "auto":
+            out.append(("train.resume", "dir"))
+    if job == "regenerate":
+        out.append(("input", "file"))
+    return out
+
+
+def check_paths(job: str, cfg: DictConfig) -> None:
+    """Every local path the job will read exists (hub names stay hub names); one line naming the key."""
+    for key, kind in _path_settings(job, cfg):
+        value = _get(cfg, key)
+        if value is None or value == "???":  # unset, or mandatory and missing (OmegaConf names it)
+            continue
+        why = _missing(value, kind)
+        if why:
+            raise DraftTrainError(f"{key}={value}: {why}")
