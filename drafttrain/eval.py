@@ -234,7 +234,7 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
     from .decoding.target import TargetRunner
 
     if not prompts:
-        raise DraftTrainError("no evaluation prompts (data.num_eval / decode.num_prompts is 0?)")
+        raise DraftTrainError("no evaluation prompts (data.num_eval rows of the evaluation set are empty?)")
     if decode.cache not in ("auto", "static", "dynamic"):
         raise DraftTrainError(f"decode.cache={decode.cache}: expected auto, static or dynamic")
     max_len = max(len(p) for p in prompts) + decode.max_new_tokens + extra_positions(decode)
@@ -405,10 +405,11 @@ def _gen_eos(model) -> list[int]:
 
 
 def eval_prompt_ids(tokenizer, convs, limit: int) -> list[list[int]]:
+    """Prompt ids of the first ``limit`` conversations (0: all of them)."""
     from .data.chat import prompt_ids
 
     out = []
-    for c in convs[:limit]:
+    for c in (convs[:limit] if limit else convs):
         if hasattr(c, "prompt_ids"):  # a structured row (drafttrain.structured.StructuredExample)
             out.append(c.prompt_ids(tokenizer))
             continue
@@ -425,6 +426,7 @@ def evaluate_drafter(model, tokenizer, drafter, decode, eval_convs, run_dir, *, 
     keys added to the report (e.g. ``target_modified``)."""
     drafter.eval()
     prompts = eval_prompt_ids(tokenizer, eval_convs, decode.num_prompts)
+    announce_prompts(prompts, eval_convs, decode.num_prompts)
     max_len = max(len(p) for p in prompts) + decode.max_new_tokens + extra_positions(decode)
     method = decode.method
     proposer = make_proposer(method, drafter=drafter, decode=decode, max_len=max_len,
@@ -469,29 +471,66 @@ def load_drafter(path: str, device, target_model=None):
     raise DraftTrainError(f"{path}/config.json: unknown drafter_type {kind!r}")
 
 
-def eval_conversations(data_cfg):
+class EvalSet(list):
+    """Evaluation conversations, and a note saying which rows of what they are (printed with the count)."""
+
+    def __init__(self, items=(), note: str = ""):
+        super().__init__(items)
+        self.note = note
+
+
+def held_out_note(n: int, total: int, path) -> str:
+    return (f"the last {n} of {total} rows of {path}, held out from training (data.num_eval={n}; "
+            "data.eval_path=<file> evaluates on another file)")
+
+
+def eval_conversations(data_cfg) -> EvalSet:
+    """The evaluation set of ``data``: built-in held-out chats; a JSONL file's rows (``data.eval_path``: its
+    first ``data.num_eval``; else the last ``data.num_eval`` rows of ``data.path``, the rows training holds
+    out; ``data.num_eval=0``: every row); or structured rows. Prompt files may leave the final assistant turn
+    empty or out."""
     from .data.chat import read_conversations
 
+    n = int(data_cfg.num_eval)
     if data_cfg.source == "builtin":
         from .data.builtin import builtin_conversations
 
-        return builtin_conversations("eval", data_cfg.num_eval, data_cfg.seed)
+        if n == 0:
+            raise DraftTrainError("data.num_eval=0 (every row) needs a prompt file (data=<file>.jsonl); the "
+                                  "built-in set needs a count")
+        return EvalSet(builtin_conversations("eval", n, data_cfg.seed), f"{n} built-in held-out chats")
     if data_cfg.source == "jsonl":
         if data_cfg.eval_path:
-            return read_conversations(data_cfg.eval_path, skip_invalid=data_cfg.skip_invalid)[: data_cfg.num_eval]
+            rows = read_conversations(data_cfg.eval_path, skip_invalid=data_cfg.skip_invalid, prompts_only=True)
+            sel = rows[:n] if n else rows
+            return EvalSet(sel, f"{'every one' if len(sel) == len(rows) else f'the first {len(sel)}'} of "
+                                f"{len(rows)} rows of {data_cfg.eval_path}")
         if not data_cfg.path:
             raise DraftTrainError("data.path (or data.eval_path) is required with data=jsonl")
-        convs = read_conversations(data_cfg.path, skip_invalid=data_cfg.skip_invalid)
-        return convs[-data_cfg.num_eval:]
+        rows = read_conversations(data_cfg.path, skip_invalid=data_cfg.skip_invalid, prompts_only=True)
+        if not n or n >= len(rows):
+            return EvalSet(rows, f"every one of {len(rows)} rows of {data_cfg.path}")
+        return EvalSet(rows[-n:], held_out_note(n, len(rows), data_cfg.path))
     if data_cfg.source == "structured":  # prompts with a JSON schema each (drafttrain.structured.evalset)
         from .structured import builtin_structured_examples, read_structured_jsonl
 
         path = data_cfg.eval_path or data_cfg.path
         if path:
-            return read_structured_jsonl(path, limit=data_cfg.num_eval)
-        return builtin_structured_examples("eval", data_cfg.num_eval, data_cfg.seed,
-                                           max_string_length=data_cfg.structured_max_string_length)
+            rows = read_structured_jsonl(path, limit=n or None)
+            return EvalSet(rows, f"{len(rows)} structured rows of {path}")
+        if n == 0:
+            raise DraftTrainError("data.num_eval=0 (every row) needs a structured prompt file (data.path)")
+        return EvalSet(builtin_structured_examples("eval", n, data_cfg.seed,
+                                                   max_string_length=data_cfg.structured_max_string_length),
+                       f"{n} built-in structured prompts")
     raise DraftTrainError(f"data.source={data_cfg.source}: expected builtin, jsonl or structured")
+
+
+def announce_prompts(prompts: list, convs, limit: int) -> None:
+    """One line: how many prompts are decoded, out of which rows, and how to get all of them."""
+    note = getattr(convs, "note", "") or f"{len(convs)} conversations"
+    cap = f"; decode.num_prompts={limit} of {len(convs)}, 0 for all" if limit and limit < len(convs) else ""
+    print(f"[drafttrain] eval: {len(prompts)} prompts: {note}{cap}", flush=True)
 
 
 def run_eval(cfg) -> dict:
@@ -504,6 +543,9 @@ def run_eval(cfg) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     recorded = None
     if job.drafter:
+        from .training.materialize import drafter_dir  # a training checkpoint (step_*) -> its drafter
+
+        job.drafter = str(drafter_dir(job.drafter))
         if not (Path(job.drafter) / "config.json").exists():
             raise DraftTrainError(f"drafter={job.drafter}: not a saved drafter directory (no config.json)")
         from .export import exported_target  # an exported vLLM layout names its verifier
@@ -548,6 +590,7 @@ def run_eval(cfg) -> dict:
         return evaluate_drafter(model, tokenizer, drafter, job.decode, convs, run_dir, target_name=tname,
                                 drafter_name=job.drafter, extra=extra)
     prompts = eval_prompt_ids(tokenizer, convs, job.decode.num_prompts)
+    announce_prompts(prompts, convs, job.decode.num_prompts)
     max_len = max(len(p) for p in prompts) + job.decode.max_new_tokens + extra_positions(job.decode)
     proposer = make_proposer(job.decode.method, decode=job.decode, max_len=max_len,
                              device=next(model.parameters()).device)

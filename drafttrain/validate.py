@@ -107,6 +107,10 @@ def _check_rules(job: str, cfg: DictConfig) -> None:
         check_offline(cfg)
     if "data" in cfg and job in ("train", "capture") and cfg.data.source == "jsonl" and not cfg.data.path:
         raise DraftTrainError("data.path is required with data=jsonl (the training conversations)")
+    if "data" in cfg and cfg.data.num_eval == 0 and (cfg.data.source == "builtin" or (
+            cfg.data.source == "structured" and not (cfg.data.path or cfg.data.eval_path))):
+        raise DraftTrainError(f"data.num_eval=0 (every row of a prompt file) needs a file; the built-in "
+                              f"data={cfg.data.source} set needs a count >= 1")
     if "decode" in cfg:
         _check_decode(cfg.decode, job)
     if job == "bench":

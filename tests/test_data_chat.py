@@ -152,7 +152,7 @@ BAD_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CASES))
-def test_bad_row_names_file_and_line(tmp_path, case):
+def test_bad_row_names_file_and_line(tmp_path, case, capsys):
     bad, pattern = BAD_CASES[case]
     path = tmp_path / "chats.jsonl"
     _write(path, [{"id": "a", **GOOD}, GOOD, bad, GOOD])
@@ -164,8 +164,10 @@ def test_bad_row_names_file_and_line(tmp_path, case):
     assert re.search(pattern, msg), msg
     assert path.read_bytes() == before
     # skip_invalid: the other rows survive, the bad one is counted with its location
-    with pytest.warns(UserWarning, match="skipped 1 rows"):
-        convs = read_conversations(path, skip_invalid=True)
+    capsys.readouterr()
+    convs = read_conversations(path, skip_invalid=True)
+    err = capsys.readouterr().err.strip().splitlines()  # one warning line, no Python warning machinery
+    assert len(err) == 1 and err[0].startswith(f"warning: {path}: skipped 1 rows; first: {path}:3: "), err
     assert [c.line for c in convs] == [1, 2, 4]
     assert len(convs.skipped) == 1 and convs.skipped[0].startswith(f"{path}:3: ")
     assert path.read_bytes() == before
@@ -282,3 +284,29 @@ def test_collate_right_pads(tok):
         assert batch["attention_mask"][b].tolist() == [1] * n[b] + [0] * (max(n) - n[b])
         assert (batch["input_ids"][b, n[b] :] == tok.pad_token_id).all()
         assert (batch["loss_mask"][b, n[b] :] == 0).all()
+
+
+@pytest.mark.parametrize("last", [
+    {"role": "assistant", "content": ""}, {"role": "assistant", "content": "  "}, None,
+])
+def test_eval_prompts_may_end_without_an_answer_training_rows_may_not(tmp_path, last):
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    rows = [{"messages": turns + ([last] if last else [])}, GOOD]
+    path = tmp_path / "prompts.jsonl"
+    _write(path, rows)
+    with pytest.raises(DraftTrainError, match=rf"^{path}:1: "):
+        read_conversations(path)  # training needs the answer
+    convs = read_conversations(path, prompts_only=True)
+    assert convs[0].messages == turns and len(convs) == 2
+    assert convs[1].messages == GOOD["messages"]
+
+
+def test_eval_prompts_still_refuse_an_empty_turn_before_the_end_and_a_row_without_a_user(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    _write(path, [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+                                {"role": "user", "content": "again"}]}])
+    with pytest.raises(DraftTrainError, match=r":1: messages\[1\] \(assistant\): content is empty"):
+        read_conversations(path, prompts_only=True)
+    _write(path, [{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": ""}]}])
+    with pytest.raises(DraftTrainError, match=r":1: conversation has no user turn"):
+        read_conversations(path, prompts_only=True)

@@ -101,3 +101,57 @@ def test_two_processes_match_one(trained_run, tmp_path):
     for a, b in zip(h1, h2):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-4)
         assert b["valid_tokens_0"] == a["valid_tokens_0"]
+
+
+def _same_weights(a_path, b_path):
+    a, b = load_file(a_path), load_file(b_path)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_a_checkpoint_evaluates_and_exports_as_the_drafter_it_holds(trained_run, tmp_path):
+    ckpt = tmp_path / "step_00000006"  # a copy: the fixture's run stays as training left it
+    shutil.copytree(trained_run / "checkpoints" / "step_00000006", ckpt)
+    out = tmp_path / "ev"
+    r = _run(["-m", "drafttrain.cli", "eval", f"drafter={ckpt}", *TINY_BUILTIN_OVERRIDES,
+              "data.num_eval=3", "decode.max_new_tokens=24", "decode.num_draft_tokens=3",
+              f"hydra.run.dir={out}"], cwd=tmp_path)
+    assert "is a training checkpoint (step 6)" in r.stdout
+    _same_weights(trained_run / "final" / "model.safetensors", ckpt / "drafter" / "model.safetensors")
+    r1 = json.loads((trained_run / "report.json").read_text())
+    r2 = json.loads((out / "report.json").read_text())
+    assert r2["outputs_match_baseline"] is True and r2["tau"] == pytest.approx(r1["tau"])
+    r = _run(["-m", "drafttrain.cli", "export", f"drafter={ckpt}", "format=vllm", f"out={tmp_path / 'vllm'}"],
+             cwd=tmp_path)
+    assert "training checkpoint" not in r.stdout  # built once, then reused
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["speculators_model_type"] == "eagle3"
+
+
+@pytest.mark.parametrize("recipe,weights", [("medusa", "model.safetensors"), ("distill", "model.safetensors")])
+def test_medusa_and_distill_checkpoints_are_their_final_drafters(recipe, weights, tmp_path, tiny_builtin_target):
+    run = tmp_path / recipe
+    _run([str(REPO / "train.py"), f"recipe={recipe}", *SMALL, "train.max_steps=2", "train.save_every=2",
+          "train.eval=false", f"hydra.run.dir={run}"], cwd=REPO)
+    from drafttrain.training.materialize import drafter_dir
+
+    d = drafter_dir(run / "checkpoints" / "step_00000002")
+    assert d.name == "drafter" and (d / "config.json").exists()
+    _same_weights(run / "final" / weights, d / weights)
+
+
+def test_eval_takes_a_prompt_file_without_answers_and_says_how_many_prompts(tmp_path, tiny_builtin_target):
+    rows = [{"messages": [{"role": "user", "content": f"def f{i}(x):"}, {"role": "assistant", "content": ""}]}
+            for i in range(4)] + [{"messages": [{"role": "user", "content": "import os"}]}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["-m", "drafttrain.cli", "eval", "decode.method=pld", f"data={path}", *TINY_BUILTIN_OVERRIDES,
+            "decode.max_new_tokens=8", "decode.sweep=[]"]
+    r = _run([*args, f"hydra.run.dir={tmp_path / 'all'}"], cwd=tmp_path)
+    assert f"eval: 5 prompts: every one of 5 rows of {path}" in r.stdout, r.stdout
+    assert json.loads((tmp_path / "all" / "report.json").read_text())["prompts"] == 5
+    r = _run([*args, "data.num_eval=3", f"hydra.run.dir={tmp_path / 'last3'}"], cwd=tmp_path)
+    assert f"eval: 3 prompts: the last 3 of 5 rows of {path}, held out from training" in r.stdout, r.stdout
+    r = _run([*args, "decode.num_prompts=2", f"hydra.run.dir={tmp_path / 'two'}"], cwd=tmp_path)
+    assert "eval: 2 prompts: every one of 5 rows" in r.stdout and "decode.num_prompts=2 of 5, 0 for all" in r.stdout
+    assert json.loads((tmp_path / "two" / "report.json").read_text())["prompts"] == 2

@@ -145,6 +145,7 @@ def _job(name, **updates):
     ("eval", {"decode.grammar": "regex:a{2,1}"}, "decode.grammar (regex:a{2,1}): not a valid grammar"),
     ("eval", {"decode.grammar": '{"type": "object", "properties": 3}'}, "decode.grammar"),
     ("tune", {"tree_sizes": [8, 8]}, "tree_sizes=[8,8]: must be strictly increasing"),
+    ("eval", {"data.num_eval": 0}, "data.num_eval=0 (every row of a prompt file) needs a file"),
 ])
 def test_cross_field_rules(job, updates, needle, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

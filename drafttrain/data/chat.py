@@ -21,8 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence, Union
@@ -130,8 +130,11 @@ def _content_text(content: Any, where: str, what: str) -> str:
     return content
 
 
-def parse_row(row: Any, where: str) -> tuple[list[dict[str, str]], Any]:
-    """Validate one decoded JSON row; return ``(messages, id)``. Raises DraftTrainError naming ``where``."""
+def parse_row(row: Any, where: str, prompts_only: bool = False) -> tuple[list[dict[str, str]], Any]:
+    """Validate one decoded JSON row; return ``(messages, id)``. Raises DraftTrainError naming ``where``.
+
+    ``prompts_only`` (evaluation prompts): the final assistant turn may be empty or missing (the prompt is
+    everything before it); an empty final assistant turn is dropped. Training rows need an answer."""
     if not isinstance(row, dict):
         raise DraftTrainError(f"{where}: row must be a JSON object, got {type(row).__name__}")
     has_sg, has_oa = "conversations" in row, "messages" in row
@@ -163,13 +166,23 @@ def parse_row(row: Any, where: str) -> tuple[list[dict[str, str]], Any]:
         if role is None:
             allowed = ", ".join(SHAREGPT_ROLES if has_sg else ROLES)
             raise DraftTrainError(f"{where}: {what}: unknown role {raw_role!r} (expected one of: {allowed})")
+        if prompts_only and role == "assistant" and k == len(turns) - 1 and _is_blank(turn[ckey]):
+            continue  # the answer to be generated
         messages.append({"role": role, "content": _content_text(turn[ckey], where, f"{what} ({role})")})
-    if not any(m["role"] == "assistant" for m in messages):
+    if prompts_only:
+        if not any(m["role"] == "user" for m in messages):
+            raise DraftTrainError(f"{where}: conversation has no user turn (nothing to prompt with)")
+    elif not any(m["role"] == "assistant" for m in messages):
         raise DraftTrainError(f"{where}: conversation has no assistant turn")
     return messages, rid
 
 
-def _iter_rows(path: Path, skip_invalid: bool, skipped: list[str]) -> Iterator[Conversation]:
+def _is_blank(content: Any) -> bool:
+    return content is None or (isinstance(content, str) and not content.strip()) or content == []
+
+
+def _iter_rows(path: Path, skip_invalid: bool, skipped: list[str], prompts_only: bool = False
+               ) -> Iterator[Conversation]:
     """Validated conversations of a JSONL file, line by line."""
     name = str(path)
     seen_ids: dict[str, int] = {}
@@ -190,7 +203,7 @@ def _iter_rows(path: Path, skip_invalid: bool, skipped: list[str]) -> Iterator[C
                 if isinstance(row, dict) and row.get("dropped"):
                     skipped.append(f"{where}: dropped by regenerate ({row['dropped']})")
                     continue
-                messages, rid = parse_row(row, where)
+                messages, rid = parse_row(row, where, prompts_only)
                 if rid is not None:
                     k = json.dumps(rid)
                     if k in seen_ids:
@@ -252,13 +265,14 @@ def conversations_dataset(path: str | Path, skip_invalid: bool = False):
     return _to_dataset(read_conversations(path, skip_invalid=skip_invalid))
 
 
-def read_conversations(path: str | Path, skip_invalid: bool = False) -> Conversations:
+def read_conversations(path: str | Path, skip_invalid: bool = False, prompts_only: bool = False) -> Conversations:
     """Read and validate a JSONL file of ShareGPT- or OpenAI-shaped conversations.
 
     Every non-blank line is validated first; the first bad one raises ``DraftTrainError`` as
     ``file:line: what is wrong``. With ``skip_invalid=True`` bad rows are skipped instead and listed (one message
-    each) in the result's ``.skipped``. The rows then go through ``datasets`` (Arrow) so every consumer sees the
-    same normalised schema. The file is only read.
+    each) in the result's ``.skipped``, and one ``warning:`` line says how many. ``prompts_only``: evaluation
+    prompts, whose final assistant turn may be empty or missing (:func:`parse_row`). The rows then go through
+    ``datasets`` (Arrow) so every consumer sees the same normalised schema. The file is only read.
     """
     path = Path(path)
     if not path.exists():
@@ -266,7 +280,7 @@ def read_conversations(path: str | Path, skip_invalid: bool = False) -> Conversa
     if path.is_dir():
         raise DraftTrainError(f"{path}: is a directory, expected a .jsonl file")
     skipped: list[str] = []
-    convs = list(_iter_rows(path, skip_invalid, skipped))
+    convs = list(_iter_rows(path, skip_invalid, skipped, prompts_only))
     if not convs:
         why = f" ({len(skipped)} rows skipped; first: {skipped[0]})" if skipped else ""
         raise DraftTrainError(f"{path}: no conversations{why}")
@@ -281,7 +295,7 @@ def read_conversations(path: str | Path, skip_invalid: bool = False) -> Conversa
             )
         )
     if skipped:
-        warnings.warn(f"{path}: skipped {len(skipped)} rows; first: {skipped[0]}", stacklevel=2)
+        print(f"warning: {path}: skipped {len(skipped)} rows; first: {skipped[0]}", file=sys.stderr, flush=True)
     return out
 
 

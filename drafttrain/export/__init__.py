@@ -139,7 +139,10 @@ def serve_hint(kind_dir: Path, fmt: str) -> str:
 def run_export(cfg) -> Path:
     from omegaconf import OmegaConf
 
+    from ..training.materialize import drafter_dir  # a training checkpoint (step_*) -> its drafter
+
     job = OmegaConf.to_object(cfg)
+    job.drafter = str(drafter_dir(job.drafter))
     out = export_drafter(job.drafter, job.format, job.out, overwrite=job.overwrite, dtype=job.dtype,
                          verifier=job.verifier, num_speculative_tokens=job.num_speculative_tokens)
     print(f"[drafttrain] exported {job.drafter} -> {out} (format={job.format}, dtype={job.dtype})", flush=True)

@@ -102,8 +102,10 @@ def target_layers_needed(job) -> int:
 
 
 def load_training_data(job, model, tokenizer, target_name: str, run_dir: Path):
-    """Return (train examples, eval prompt conversations, data stats)."""
+    """Return (train examples, eval prompt conversations (an EvalSet: rows and where they came from), data
+    stats)."""
     from ..data.chat import read_conversations, tokenize_conversations
+    from ..eval import EvalSet, held_out_note
 
     d = job.data
     if d.source == "builtin":
@@ -115,19 +117,35 @@ def load_training_data(job, model, tokenizer, target_name: str, run_dir: Path):
             max_new_tokens=d.regen_max_new_tokens, regenerate=d.regenerate, temperature=d.regen_temperature,
             batch_size=d.regen_batch_size, cache_dir=cache_root() / "data", seed=d.seed,
         )
+        eval_convs = EvalSet(eval_convs, f"{len(eval_convs)} built-in held-out chats")
     elif d.source == "jsonl":
         if not d.path:
             raise DraftTrainError("data.path is required with data=jsonl")
         convs = read_conversations(d.path, skip_invalid=d.skip_invalid)
-        if d.eval_path:
-            train_convs, eval_convs = convs, read_conversations(d.eval_path, skip_invalid=d.skip_invalid)
-        else:
+        if d.eval_path:  # train on every row; evaluate on the first num_eval rows of the other file (0: all)
+            rows = read_conversations(d.eval_path, skip_invalid=d.skip_invalid, prompts_only=True)
+            sel = rows[: d.num_eval] if d.num_eval else rows
+            train_convs, eval_convs = convs, EvalSet(sel, f"{len(sel)} of {len(rows)} rows of {d.eval_path}")
+        else:  # hold out the last num_eval rows (0: none, and no final evaluation)
             n_eval = min(d.num_eval, max(0, len(convs) - 1))
-            train_convs, eval_convs = convs[: len(convs) - n_eval], convs[len(convs) - n_eval :]
+            train_convs = convs[: len(convs) - n_eval]
+            eval_convs = EvalSet(convs[len(convs) - n_eval:], held_out_note(n_eval, len(convs), d.path))
     else:
         raise DraftTrainError(f"data.source={d.source}: expected builtin or jsonl")
     examples, stats = tokenize_conversations(tokenizer, train_convs, d.max_length, d.overlong)
     return examples, eval_convs, stats
+
+
+def describe_data(stats: dict, eval_convs) -> str:
+    """One readable line: training rows and tokens, what was truncated or skipped, and the eval prompts."""
+    parts = [f"data: {stats.get('rows', 0)} training rows, {stats.get('trainable_tokens', 0)} trainable tokens"]
+    if stats.get("truncated"):
+        parts.append(f"{stats['truncated']} truncated to data.max_length (data.overlong=skip drops them)")
+    if stats.get("skipped"):
+        parts.append(f"{stats['skipped']} skipped")
+    note = getattr(eval_convs, "note", "") or f"{len(eval_convs)} conversations"
+    return "; ".join(parts) + f". Eval prompts: {note}" if len(eval_convs) else \
+        "; ".join(parts) + ". No eval prompts (data.num_eval=0): the final evaluation is skipped"
 
 
 def run_train(cfg) -> dict | None:
@@ -198,7 +216,7 @@ def run_train(cfg) -> dict | None:
     else:
         with accelerator.main_process_first():
             examples, eval_convs, dstats = load_training_data(job, model, tokenizer, tname, run_dir)
-    say(f"data: {dstats}")
+    say(describe_data(dstats, eval_convs))
 
     # ---- drafter ----
     method = make_method(job, tokenizer, model)
@@ -296,7 +314,7 @@ def run_train(cfg) -> dict | None:
                 accelerator.log({f"train/{k}": v for k, v in summary.items() if k != "step"}, step=done)
         if tc.save_every and done % tc.save_every == 0 and done < tc.max_steps:
             _save(accelerator, run_dir, drafter, optimizer, scheduler, done, meta, tc.keep_checkpoints, wrapped, order)
-            if tc.eval_checkpoints:
+            if tc.eval_checkpoints and len(eval_convs):
                 t_eval = time.time()
                 model = _eval_checkpoint(accelerator, method, model, tokenizer, wrapped, job, eval_convs, run_dir,
                                          tname, done, log_with)
@@ -326,7 +344,7 @@ def run_train(cfg) -> dict | None:
     gathered.close()
 
     report = None
-    if tc.eval and main:
+    if tc.eval and main and len(eval_convs):
         from ..eval import evaluate_drafter
 
         est = method.estimated_tau(train_metrics, job.decode.num_draft_tokens) if train_metrics else None
