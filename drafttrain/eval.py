@@ -6,6 +6,9 @@ same machine load. Writes ``report.json`` (and ``acceptance.png``) into the run 
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import time
 from pathlib import Path
 
@@ -16,7 +19,8 @@ from .io import DraftTrainError, read_json, write_json
 REPORT_KEYS = (
     "method", "target", "drafter", "prompts", "new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p",
     "alpha", "acceptance_per_position", "tau", "tokens_per_s", "baseline_tokens_per_s", "speedup",
-    "outputs_match_baseline", "train_estimated_tau",
+    "speedup_min", "speedup_median", "speedup_max", "baseline_spread", "outputs_match_baseline",
+    "train_estimated_tau",
 )
 
 
@@ -120,13 +124,15 @@ def print_table(report: dict) -> None:
         ("prompts x new tokens", f"{report['prompts']} x {report['new_tokens'] // max(1, report['prompts'])} (avg)"),
         ("draft tokens K / temperature", f"{report['num_draft_tokens']} / {report['temperature']}"),
         ("verification", report.get("verification", "-")),
+        *([("drafter | target dtype", f"{report['drafter_dtype']} | {report.get('target_dtype', '-')}")]
+          if report.get("drafter_dtype") else []),
         ("alpha (accepted/drafted)", _fmt(report["alpha"])),
         (f"acceptance per {unit}", " ".join(_fmt(a, ".2f") for a in app) or "-"),
         ("tau (tokens per target forward)", _fmt(report["tau"])),
         ("train-estimated tau", _fmt(report.get("train_estimated_tau"))),
         ("tokens/s speculative | AR", f"{_fmt(report['tokens_per_s'], '.1f')} | "
                                       f"{_fmt(report['baseline_tokens_per_s'], '.1f')}"),
-        ("speedup (same run, side by side)", _fmt(report["speedup"], ".2f") + "x"),
+        ("speedup (same run, side by side)", _fmt(report["speedup"], ".2f") + "x" + _spread_note(report)),
         ("time split target/draft/other", " / ".join(_fmt(report.get(k), ".0%") for k in
                                                    ("frac_target", "frac_draft", "frac_other"))),
         ("greedy outputs == AR", str(report["outputs_match_baseline"])),
@@ -139,6 +145,20 @@ def print_table(report: dict) -> None:
         rows.append((f"  sweep K={s['draft_tokens']}{on}", f"tau {_fmt(s['tau'], '.2f')}, speedup {_fmt(s['speedup'], '.2f')}x"))
     w = max(len(r[0]) for r in rows)
     print("\n".join(["", "=" * (w + 40)] + [f"{k.ljust(w)}  {v}" for k, v in rows] + ["=" * (w + 40)]), flush=True)
+
+
+def _spread_note(report: dict) -> str:
+    if report.get("speedup_min") is None:
+        return ""
+    over = report.get("speedup_spread_over", "passes")
+    note = (f" ({over}: {_fmt(report['speedup_min'], '.2f')}-{_fmt(report['speedup_max'], '.2f')}, median "
+            f"{_fmt(report['speedup_median'], '.2f')}")
+    if report.get("baseline_spread") is not None:
+        note += f"; AR varied {report['baseline_spread']:.0%}"
+    if report.get("speedup_noisy"):
+        note += " between " + over + ": a noisy machine, raise decode.repeats" if over == "passes" else \
+            f" between {over}: noisy or mixed lengths, decode.repeats>=3 separates them"
+    return note + ")"
 
 
 def _save_fig(fig, path: Path) -> None:
@@ -214,6 +234,61 @@ def verification_label(decode, typical_used: bool) -> str:
     return "rejection sampling (lossless)"
 
 
+def _progress(total: int, desc: str):
+    """A progress bar on stderr (updated every few seconds, so a log file gets a few lines, not thousands)."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="prompt", file=sys.stderr, mininterval=5.0, leave=False,
+                dynamic_ncols=True)
+
+
+NOISY_BASELINE = 0.10  # AR speed varying more than this between passes (or prompts) makes speedup unreliable
+
+
+def speedup_spread(ar_res, sp_res, n_prompts: int) -> dict:
+    """How much the speedup moves within this run: per timed pass (each pass interleaves AR and speculative
+    per prompt), else per prompt; and how much the AR baseline itself varied (the machine's noise).
+
+    ``speedup_per_pass``: tokens/s ratio of each pass; ``speedup_min/median/max`` over passes (one pass: over
+    prompts, ``speedup_spread_over`` says which); ``baseline_spread``: (max - min) / median of AR tokens/s
+    over passes (one pass: over prompts, per token, which also holds prompt-length effects);
+    ``speedup_noisy``: the baseline spread exceeds NOISY_BASELINE."""
+    import statistics
+
+    from .decoding.engine import aggregate
+
+    def tps(rs):
+        return aggregate(rs)["tokens_per_s"]
+
+    passes = len(ar_res) // max(1, n_prompts)
+    if passes > 1:
+        groups = [slice(k * n_prompts, (k + 1) * n_prompts) for k in range(passes)]
+        over = "passes"
+    else:
+        groups = [slice(i, i + 1) for i in range(len(ar_res))]
+        over = "prompts"
+    ratios, base = [], []
+    for g in groups:
+        a, s = tps(ar_res[g]), tps(sp_res[g])
+        if a and s:
+            ratios.append(s / a)
+            base.append(a)
+    if not ratios:
+        return {"speedup_per_pass": [], "speedup_spread_over": over, "speedup_min": None, "speedup_median": None,
+                "speedup_max": None, "baseline_spread": None, "speedup_noisy": None}
+    med = statistics.median(base)
+    bspread = (max(base) - min(base)) / med if med else None
+    return {
+        "speedup_per_pass": ratios if over == "passes" else [],
+        "speedup_spread_over": over,
+        "speedup_min": min(ratios), "speedup_median": statistics.median(ratios), "speedup_max": max(ratios),
+        "baseline_spread": bspread,
+        "speedup_noisy": bool(bspread is not None and bspread > NOISY_BASELINE),
+    }
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_dir: Path | None, *,
              method: str, target_name: str, drafter_name: str | None, taps=None,
@@ -285,6 +360,7 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
         run_spec(spec, 0, prompts[0], ref.tokens)
     ar_res, sp_res, match = [], [], []
     refs: list[list[int]] = []
+    bar = _progress(decode.repeats * len(prompts), f"eval {method} vs AR")
     for rep in range(decode.repeats):
         for i, p in enumerate(prompts):
             if is_oracle or (i + rep) % 2 == 0:  # alternate the order; the oracle needs AR first
@@ -298,7 +374,12 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
             match.append(a.tokens == s.tokens)
             if rep == 0:
                 refs.append(a.tokens)
+            bar.update(1)
+            bar.set_postfix_str(f"tau {aggregate(sp_res)['tau'] or 0:.2f}, pass {rep + 1}/{decode.repeats}",
+                                refresh=False)
+    bar.close()
     A, S = aggregate(ar_res), aggregate(sp_res)
+    spread = speedup_spread(ar_res, sp_res, len(prompts))
     n_p = len(prompts)  # outputs of the first repeat, validated against each prompt's grammar / schema
     valid = grammars.validate(tokenizer, [r.tokens for r in sp_res[:n_p]], eos)
     base_valid = grammars.validate(tokenizer, [r.tokens for r in ar_res[:n_p]], eos)
@@ -306,20 +387,27 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
     speedup = (S["tokens_per_s"] / A["tokens_per_s"]) if S["tokens_per_s"] and A["tokens_per_s"] else None
 
     sweep = []
-    if method != "ar" and decode.sweep_prompts > 0:
+    if method != "ar" and decode.sweep_prompts > 0 and sweep_lengths(decode, K, proposer):
         # on the first sweep_prompts prompts, against the AR times of the same prompts (first repeat)
         m = min(decode.sweep_prompts, len(prompts))
         base = aggregate(ar_res[:m])["tokens_per_s"]
         saved_num_tokens = getattr(proposer, "num_tokens", None)
-        for k in sweep_lengths(decode, K, proposer):
+        lengths = sweep_lengths(decode, K, proposer)
+        sbar = _progress(len(lengths) * m, f"sweep {method} K={','.join(map(str, lengths))}")
+        for k in lengths:
             if saved_num_tokens is not None:  # prompt lookup caps its drafts at num_tokens
                 proposer.num_tokens = k
             dec = SpecDecoder(sp_runner, proposer, k, seed=decode.seed, typical=typical,
                               typical_epsilon=decode.typical_epsilon, typical_delta=decode.typical_delta, **kw)
-            agg = aggregate([run_spec(dec, i, p, refs[i]) for i, p in enumerate(prompts[:m])])
+            res = []
+            for i, p in enumerate(prompts[:m]):
+                res.append(run_spec(dec, i, p, refs[i]))
+                sbar.update(1)
+            agg = aggregate(res)
             sweep.append({"draft_tokens": k, "prompts": m, "tau": agg["tau"], "alpha": agg["alpha"],
                           "tokens_per_s": agg["tokens_per_s"],
                           "speedup": agg["tokens_per_s"] / base if base and agg["tokens_per_s"] else None})
+        sbar.close()
         if saved_num_tokens is not None:
             proposer.num_tokens = saved_num_tokens
 
@@ -352,6 +440,7 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
         "tokens_per_s": S["tokens_per_s"],
         "baseline_tokens_per_s": A["tokens_per_s"],
         "speedup": speedup,
+        **spread,
         "outputs_match_baseline": all(match) if greedy else None,
         "train_estimated_tau": train_estimated_tau,
         "frac_target": S["frac_target"],
@@ -417,6 +506,32 @@ def eval_prompt_ids(tokenizer, convs, limit: int) -> list[list[int]]:
     return out
 
 
+def add_sampled_row(report: dict, model, tokenizer, drafter, decode, eval_convs, run_dir, temperature: float,
+                    top_p: float, *, target_name, drafter_name) -> dict:
+    """Decode the same prompts again at ``temperature`` / ``top_p`` (lossless rejection sampling; one pass, no
+    sweep), print it as one row beside the greedy table and store it as ``report["sampled"]`` (the full
+    report in ``run_dir/sampled/``)."""
+    sdec = dataclasses.replace(decode, temperature=float(temperature), top_p=float(top_p), sweep_prompts=0,
+                               plot=False, repeats=1)
+    sub = Path(run_dir) / "sampled" if run_dir is not None else None
+    with contextlib.redirect_stdout(io.StringIO()):  # one row, not a second table
+        r = evaluate_drafter(model, tokenizer, drafter, sdec, eval_convs, sub, target_name=target_name,
+                             drafter_name=drafter_name)
+    keys = ("temperature", "top_p", "alpha", "acceptance_per_position", "tau", "speedup", "verification")
+    report["sampled"] = {k: r.get(k) for k in keys}
+    print(f"sampled (T={temperature:g}, top-p {top_p:g}): tau {_fmt(r['tau'], '.3f')}, alpha "
+          f"{_fmt(r['alpha'], '.3f')}, speedup {_fmt(r['speedup'], '.2f')}x ({r['verification']}); "
+          f"greedy: tau {_fmt(report['tau'], '.3f')}", flush=True)
+    if run_dir is not None:
+        write_json(Path(run_dir) / "report.json", report)
+    return report
+
+
+def _dtype_name(module) -> str:
+    p = next(module.parameters(), None)
+    return str(p.dtype).replace("torch.", "") if p is not None else "-"
+
+
 def evaluate_drafter(model, tokenizer, drafter, decode, eval_convs, run_dir, *, target_name, drafter_name,
                      train_estimated_tau=None, extra: dict | None = None) -> dict:
     """The end-of-training evaluation (also used by ``drafttrain eval``).
@@ -425,6 +540,9 @@ def evaluate_drafter(model, tokenizer, drafter, decode, eval_convs, run_dir, *, 
     (draft_model). ``model`` is the target that verifies (for Medusa-2: the adapted target). ``extra``:
     keys added to the report (e.g. ``target_modified``)."""
     drafter.eval()
+    # the dtype the drafter decodes in: as saved (an export in bfloat16 runs in bfloat16, as in an engine)
+    dtypes = {"drafter_dtype": _dtype_name(drafter), "target_dtype": _dtype_name(model)}
+    extra = {**dtypes, **(extra or {})}
     prompts = eval_prompt_ids(tokenizer, eval_convs, decode.num_prompts)
     announce_prompts(prompts, eval_convs, decode.num_prompts)
     max_len = max(len(p) for p in prompts) + decode.max_new_tokens + extra_positions(decode)

@@ -155,3 +155,52 @@ def test_eval_takes_a_prompt_file_without_answers_and_says_how_many_prompts(tmp_
     r = _run([*args, "decode.num_prompts=2", f"hydra.run.dir={tmp_path / 'two'}"], cwd=tmp_path)
     assert "eval: 2 prompts: every one of 5 rows" in r.stdout and "decode.num_prompts=2 of 5, 0 for all" in r.stdout
     assert json.loads((tmp_path / "two" / "report.json").read_text())["prompts"] == 2
+
+
+def test_launch_with_the_shipped_config_is_quiet_and_prints_a_speed_estimate(tmp_path, tiny_builtin_target):
+    """`accelerate launch --config_file conf/accelerate/single.yaml train.py …` (the README's main command): no
+    launcher "defaults used" warnings, no DeepSpeed import in a run without DeepSpeed (on a CPU machine its
+    import logs "Setting accelerator to CPU"), and one speed/ETA line after the warm-up step. 12 steps logged
+    every 3: the averaged final metrics must cope with keys logged every train.log_every steps only."""
+    import re
+
+    run = tmp_path / "quiet"
+    env_home = tmp_path / "hf_home"  # no ~/.cache/huggingface/accelerate/default_config.yaml of the developer's
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "conf/accelerate/single.yaml"), str(REPO / "train.py"), "recipe=eagle3", *SMALL,
+           "train.max_steps=12", "train.log_every=3", "train.eval=false", f"hydra.run.dir={run}"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "HF_HOME": str(env_home)})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-5000:]
+    assert "had defaults used instead" not in out and "--num_processes" not in out, out[:2000]
+    assert not re.search(r"Setting (ds_)?accelerator", out), out[-3000:]
+    speed = [ln for ln in r.stdout.splitlines() if "[drafttrain] speed: " in ln]
+    assert len(speed) == 1, r.stdout
+    assert re.search(r"speed: [\d.]+ s/step \(\d+% in the target forward\), [\d,]+ real tokens/s, [\d,]+ real "
+                     r"tokens/step \(4 conversations packed into rows of <= 160 tokens, 2 micro-batches of 2, "
+                     r"target vocab \d+, 3 TTT steps\); ETA .+ for the 9 steps left of 12 \(measured over steps "
+                     r"2-3, after a warm-up step\)", speed[0]), speed[0]
+    metrics = json.loads((run / "train_metrics.json").read_text())
+    logged = [h["step"] for h in metrics["history"] if "seconds_per_step" in h]
+    assert logged == [3, 6, 9, 12]
+    assert metrics["history"][-1]["eta_seconds"] == 0
+
+
+def test_step_speed_leaves_out_the_warm_up_step():
+    from drafttrain.training.loop import StepSpeed
+
+    clock = iter([0.0, 0.5, 10.0,  # step 1 (warm-up): 10 s
+                  10.0, 10.25, 11.0, 11.0, 11.25, 12.0,  # steps 2, 3: 1 s each, a quarter of it in the capture
+                  20.0, 20.5, 23.0])  # step 4: 3 s (begun 8 s later: a checkpoint in between, not counted)
+    speed = StepSpeed(world=2, start_step=0, max_steps=100, clock=lambda: next(clock))
+    lines = []
+    for _ in range(4):
+        speed.begin()
+        speed.captured()
+        speed.end(real_tokens=50)
+        lines.append(speed.estimate_line() if speed.estimate_ready() else None)
+    assert lines[:2] == [None, None] and lines[3] is None  # once, after the 2 steps measured after the warm-up
+    assert lines[2] == ("speed: 1.00 s/step (25% in the target forward), 100 real tokens/s, 100 real tokens/step; "
+                        "ETA 1m37s for the 97 steps left of 100 (measured over steps 2-3, after a warm-up step)")
+    assert speed.seconds_per_step == pytest.approx(5 / 3) and speed.tokens_per_s == pytest.approx(300 / 5)
