@@ -235,13 +235,13 @@ def verification_label(decode, typical_used: bool) -> str:
 
 
 def _progress(total: int, desc: str):
-    """A progress bar on stderr (updated every few seconds, so a log file gets a few lines, not thousands)."""
+    """A progress bar on stderr (redrawn at most every few seconds, so a log file gets a few lines, not
+    thousands); its last state stays on screen."""
     import sys
 
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="prompt", file=sys.stderr, mininterval=5.0, leave=False,
-                dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit="prompt", file=sys.stderr, mininterval=5.0, dynamic_ncols=True)
 
 
 NOISY_BASELINE = 0.10  # AR speed varying more than this between passes (or prompts) makes speedup unreliable

@@ -133,3 +133,39 @@ def test_compiled_eval_compiles_nothing_while_timing(tiny, tmp_path, monkeypatch
     assert rep["outputs_match_baseline"] is True
     warm = 2 * len(prompts)
     assert sum(frames[:warm]) > 0 and frames[warm:] == [0] * (len(frames) - warm), frames
+
+
+def _res(n_tokens, seconds):
+    from drafttrain.decoding.engine import GenerationResult
+
+    return GenerationResult(tokens=[0] * n_tokens, num_rounds=n_tokens, num_round_tokens=n_tokens,
+                            time_total=seconds)
+
+
+def test_speedup_spread_per_pass_and_the_noisy_baseline_flag():
+    from drafttrain.eval import NOISY_BASELINE, speedup_spread
+
+    # two passes over two prompts: AR 10 tokens/s in pass 1, 8 in pass 2; speculative 20 and 12
+    ar = [_res(10, 1.0), _res(10, 1.0), _res(8, 1.0), _res(8, 1.0)]
+    sp = [_res(10, 0.5), _res(10, 0.5), _res(12, 1.0), _res(12, 1.0)]
+    s = speedup_spread(ar, sp, n_prompts=2)
+    assert s["speedup_spread_over"] == "passes"
+    assert s["speedup_per_pass"] == pytest.approx([2.0, 1.5])
+    assert (s["speedup_min"], s["speedup_median"], s["speedup_max"]) == pytest.approx((1.5, 1.75, 2.0))
+    assert s["baseline_spread"] == pytest.approx(2 / 9) and s["baseline_spread"] > NOISY_BASELINE
+    assert s["speedup_noisy"] is True
+    # one pass: the spread is over prompts; a steady baseline is not flagged
+    s = speedup_spread(ar[:2], [_res(10, 0.5), _res(10, 0.4)], n_prompts=2)
+    assert s["speedup_spread_over"] == "prompts" and s["speedup_per_pass"] == []
+    assert (s["speedup_min"], s["speedup_max"]) == pytest.approx((2.0, 2.5))
+    assert s["baseline_spread"] == 0 and s["speedup_noisy"] is False
+
+
+def test_the_table_prints_the_spread_beside_the_speedup(capsys):
+    from drafttrain.eval import _spread_note
+
+    note = _spread_note({"speedup_min": 1.5, "speedup_max": 2.0, "speedup_median": 1.75, "baseline_spread": 0.22,
+                         "speedup_noisy": True, "speedup_spread_over": "passes"})
+    assert note == " (passes: 1.50-2.00, median 1.75; AR varied 22% between passes: a noisy machine, raise " \
+                   "decode.repeats)"
+    assert _spread_note({"speedup_min": None}) == ""

@@ -149,6 +149,8 @@ def test_eval_takes_a_prompt_file_without_answers_and_says_how_many_prompts(tmp_
             "decode.max_new_tokens=8", "decode.sweep=[]"]
     r = _run([*args, f"hydra.run.dir={tmp_path / 'all'}"], cwd=tmp_path)
     assert f"eval: 5 prompts: every one of 5 rows of {path}" in r.stdout, r.stdout
+    bar = r.stderr.replace("\r", "\n").splitlines()  # the progress bar's last state: all passes, running tau
+    assert any(ln.startswith("eval pld vs AR: 100%") and "15/15" in ln and "tau " in ln for ln in bar), r.stderr
     assert json.loads((tmp_path / "all" / "report.json").read_text())["prompts"] == 5
     r = _run([*args, "data.num_eval=3", f"hydra.run.dir={tmp_path / 'last3'}"], cwd=tmp_path)
     assert f"eval: 3 prompts: the last 3 of 5 rows of {path}, held out from training" in r.stdout, r.stdout
