@@ -163,6 +163,10 @@ class Eagle3Config:
     fc_norm: bool = True  # RMSNorm on each tap before fc
     norm_output: bool = True  # the next step reads the post-norm hidden state
     qk_norm: bool = False  # Qwen3-style draft layer (q/k RMSNorm per head)
+    # speculators' conventions (its trainer's defaults: both true, with norm_output): layer 0's residual is
+    # the hidden_norm-ed hidden stream; one RMSNorm over the concatenated taps before fc (input_norm)
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
     # initialise the draft layer(s) from this target decoder layer (-1: the last)
     init_layer: Optional[int] = num(None, ge=-1)
 

@@ -2,15 +2,22 @@
 
 Architecture (see docs/design.md and EAGLE-3's ``cnets.py``):
 
-- ``fc``: ``Linear(3 * target_hidden -> H)`` fuses the three target taps;
+- ``fc``: ``Linear(3 * target_hidden -> H)`` fuses the three target taps; optionally preceded by one RMSNorm
+  over the concatenated taps (``input_norm``, ``norm_before_fc``) and/or one per tap (``fc_norm.{0,1,2}``);
 - ``embed_tokens``: copied from the target, frozen;
 - ``layers.0``: RMS-normalises the token embedding (``input_layernorm``) and the hidden stream
   (``hidden_norm``) separately and concatenates them (2H) into q/k/v; the residual carries only the
-  hidden stream; then ``post_attention_layernorm`` + SwiGLU MLP;
+  hidden stream (raw, or with ``norm_before_residual`` its ``hidden_norm`` output); then
+  ``post_attention_layernorm`` + SwiGLU MLP;
 - ``layers.1..``: plain Llama layers (H input);
 - ``norm`` + ``lm_head`` (H -> draft vocabulary); buffers ``d2t`` (offsets) and ``t2d`` (membership).
 
-The output hidden state handed to the next drafting step is the residual stream *before* the final norm.
+The output hidden state handed to the next drafting step is the residual stream *before* the final norm
+(with ``norm_output``, after it).
+
+The optional norms follow the speculators (vllm-project/speculators ``models/eagle3``) and vLLM
+(``llama_eagle3.py``) conventions of the same names, so a speculators-format checkpoint trained with any of
+them loads here (``drafttrain.export.eagle3.load_exported_eagle3``) and computes what vLLM computes.
 
 Training uses :meth:`Eagle3Drafter.ttt_forward` (training-time test, O(T^2 + steps*T) attention);
 inference uses :meth:`Eagle3Drafter.step` with an :class:`Eagle3Cache`. A test checks that both agree.
@@ -72,6 +79,11 @@ class Eagle3Config:
     norm_output: bool = False
     # Qwen3-style attention: RMSNorm over each head's q and k (self_attn.{q,k}_norm) before the rotary
     qk_norm: bool = False
+    # speculators / vLLM conventions (speculators' trainer turns both on by default): layer 0's residual is
+    # the hidden_norm-ed hidden stream, not the raw one (norm_before_residual); one RMSNorm over the
+    # concatenated 3 * target_hidden taps before fc (norm_before_fc, weight input_norm.weight)
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
 
     def __post_init__(self) -> None:
         self.tap_layers = [int(t) for t in self.tap_layers]
@@ -326,12 +338,16 @@ class Eagle3MLP(nn.Module):
 
 
 class Eagle3Layer(nn.Module):
-    """Layer 0 (``first=True``): [norm(embed); hidden_norm(hidden)] -> attention. Others: plain Llama."""
+    """Layer 0 (``first=True``): [norm(embed); hidden_norm(hidden)] -> attention. Others: plain Llama.
+
+    Layer 0's residual is its input hidden stream, or with ``norm_before_residual`` that stream's
+    ``hidden_norm`` output (the one the attention reads)."""
 
     def __init__(self, cfg: Eagle3Config, first: bool) -> None:
         super().__init__()
         H = cfg.hidden_size
         self.first = first
+        self.norm_before_residual = bool(first and cfg.norm_before_residual)
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         if first:
             self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -344,7 +360,10 @@ class Eagle3Layer(nn.Module):
             return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
         return self.input_layernorm(hidden)
 
-    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its attention output and its input hidden stream ``hidden`` (the one
+        passed to :meth:`attn_input`): residual add, then post-attention norm + MLP."""
+        residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden
         h = residual + self.self_attn.out(attn)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -417,6 +436,8 @@ class Eagle3Drafter(nn.Module):
         self.config = config
         c = config
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+        if c.norm_before_fc:
+            self.input_norm = RMSNorm(3 * c.target_hidden_size, c.rms_norm_eps)
         if c.fc_norm:
             self.fc_norm = nn.ModuleList([RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(3)])
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
@@ -473,6 +494,8 @@ class Eagle3Drafter(nn.Module):
         norm_output: bool = False,
         qk_norm: bool = False,
         init_layer: int | None = None,
+        norm_before_residual: bool = False,
+        norm_before_fc: bool = False,
     ) -> "Eagle3Drafter":
         """Size the drafter from ``target_model.config``; copy (and freeze) its input embedding; initialise
         ``lm_head`` from the target's output-embedding rows of the draft vocabulary. ``init_layer`` (a target
@@ -508,6 +531,7 @@ class Eagle3Drafter(nn.Module):
             target_num_layers=L,
             initializer_range=float(_cfg_get(cfg, "initializer_range", default=0.02)),
             fc_norm=bool(fc_norm), norm_output=bool(norm_output), qk_norm=bool(qk_norm),
+            norm_before_residual=bool(norm_before_residual), norm_before_fc=bool(norm_before_fc),
         )
         model = cls(config, d2t.detach().cpu(), t2d.detach().cpu())
         if init_layer is not None:
@@ -555,12 +579,15 @@ class Eagle3Drafter(nn.Module):
         return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens.")]
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
-        """``[B, T, 3*Ht]`` -> ``[B, T, H]``."""
+        """``[B, T, 3*Ht]`` -> ``[B, T, H]``: ``input_norm`` over all three taps (``norm_before_fc``), then one
+        norm per tap (``fc_norm``), then ``fc`` (the order vLLM's ``combine_hidden_states`` applies them)."""
         if taps.shape[-1] != self.fc.in_features:
             raise DraftTrainError(
                 f"taps have width {taps.shape[-1]}, expected 3 x target_hidden = {self.fc.in_features}"
             )
         taps = taps.to(self.fc.weight.dtype)
+        if hasattr(self, "input_norm"):
+            taps = self.input_norm(taps)
         if hasattr(self, "fc_norm"):
             taps = torch.cat([n(x) for n, x in zip(self.fc_norm, taps.chunk(3, dim=-1))], dim=-1)
         return self.fc(taps)

@@ -11,12 +11,21 @@ which is what the drafter was trained with (a frozen copy). ``t2d`` (bool ``[V]`
 
 - ``vllm`` — the speculators layout (A): ``speculators_model_type: eagle3``, ``transformer_layer_config``
   (a Llama config of the draft layers), ``speculators_config`` with the verifier named, aux layer ids raw
-  (HF ``hidden_states`` indices = vLLM capture ids), ``norm_before_residual: false`` written explicitly
-  (vLLM defaults it to *true* on this path; this drafter's residual is the un-normed fused hidden).
+  (HF ``hidden_states`` indices = vLLM capture ids), and the drafter's four activation-norm flags written
+  explicitly: ``norm_before_residual`` (vLLM defaults it to *true* when absent on this path),
+  ``norm_before_fc`` (+ ``input_norm.weight [3·Ht]``), ``fc_norm`` (+ ``fc_norm.{0,1,2}.weight``) and
+  ``norm_output``; vLLM's ``llama_eagle3.py`` honours all four (``fc_norm``/``norm_output`` from vLLM 0.22).
   Serve: ``vllm serve OUT`` (the verifier is read from the config).
 - ``sglang`` — the flat layout (B): ``architectures: [LlamaForCausalLMEagle3]``, ``model_type: llama``,
   Llama fields, ``draft_vocab_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids`` = ids − 1
-  (SGLang adds 1), plus the raw ids at the top level (the flat layout's vLLM key).
+  (SGLang adds 1), plus the raw ids at the top level (the flat layout's vLLM key). SGLang's
+  ``LlamaForCausalLMEagle3`` (and TensorRT-LLM, which reads this layout) takes layer 0's residual before
+  ``hidden_norm`` and has no ``input_norm``, skipping unknown weights silently: a drafter with
+  ``norm_before_residual`` or ``norm_before_fc`` is refused for this format instead of served wrong.
+
+:func:`load_exported_eagle3` reads either layout back, including checkpoints written by speculators itself
+(whose trainer defaults to ``norm_before_residual``, ``norm_before_fc`` and ``norm_output`` all true), with
+vLLM's reading of every flag, so such a drafter is scored here as vLLM would serve it.
 """
 from __future__ import annotations
 
@@ -27,7 +36,17 @@ import torch
 from ..io import DraftTrainError, check_state_dict, load_tensors, read_json, save_tensors, write_json
 
 SPECULATORS_FORMAT = "0.9.0"  # the speculators config layout followed (vllm-project/speculators)
-NORM_BEFORE_RESIDUAL = False  # drafters/eagle3.py: layer 0's residual is the fused hidden before hidden_norm
+
+# drafter flags an engine would ignore silently (it would serve another drafter than the one evaluated here):
+# format -> {flag: why}. vLLM's speculators layout honours every flag the drafter has.
+UNHONOURED = {
+    "sglang": {
+        "norm_before_residual": "SGLang's LlamaForCausalLMEagle3 (and TensorRT-LLM, which reads this layout) "
+                                "takes layer 0's residual before hidden_norm (norm_before_residual=false only)",
+        "norm_before_fc": "SGLang's LlamaForCausalLMEagle3 has no input_norm before fc and skips the unknown "
+                          "input_norm.weight silently",
+    },
+}
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -102,8 +121,8 @@ def vllm_config(drafter, verifier: str, num_speculative_tokens: int, dtype: str)
         "speculators_model_type": "eagle3",
         "speculators_version": SPECULATORS_FORMAT,
         "draft_vocab_size": c.draft_vocab_size,
-        "norm_before_residual": NORM_BEFORE_RESIDUAL,
-        "norm_before_fc": False,
+        "norm_before_residual": bool(c.norm_before_residual),  # explicit: vLLM assumes true when absent
+        "norm_before_fc": bool(c.norm_before_fc),  # input_norm.weight [3·Ht]
         "fc_norm": bool(c.fc_norm),  # EAGLE-3.1 (vLLM >= 0.22 reads fc_norm.{0,1,2}.weight)
         "norm_output": bool(c.norm_output),
         "target_hidden_size": c.target_hidden_size,
@@ -127,7 +146,7 @@ def sglang_config(drafter, dtype: str) -> dict:
         "architectures": ["LlamaForCausalLMEagle3"],
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
-        "norm_before_residual": NORM_BEFORE_RESIDUAL,
+        "norm_before_residual": False,  # the only value SGLang implements (write_eagle3 refuses true)
         "fc_norm": bool(c.fc_norm),  # EAGLE-3.1, as SpecForge writes it (fc_norm.{0,1,2}.weight)
         "norm_output": bool(c.norm_output),
         "eagle_aux_hidden_state_layer_ids": [int(t) for t in c.tap_layers],  # vLLM convention (raw)
@@ -148,6 +167,10 @@ def write_eagle3(drafter, fmt: str, tmp: Path, *, dtype: str, verifier: str, num
     if c.qk_norm:
         raise DraftTrainError("EAGLE-3 export: a drafter with qk_norm (Qwen3-style draft layer) has no verified "
                               "engine layout yet; evaluate it with drafttrain eval")
+    for flag, why in UNHONOURED.get(fmt, {}).items():
+        if getattr(c, flag):
+            raise DraftTrainError(f"EAGLE-3 export: {flag}=true cannot go to format={fmt}: {why}; export "
+                                  "format=vllm (the speculators layout, which vLLM reads with this flag)")
     if fmt == "vllm":
         config = vllm_config(drafter, verifier, num_speculative_tokens, dtype)
     elif fmt == "sglang":
@@ -179,10 +202,35 @@ def exported_target(config: dict) -> str | None:
     return None
 
 
-def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
-    """An :class:`~drafttrain.drafters.eagle3.Eagle3Drafter` from an exported vLLM or SGLang directory.
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
-    The embedding is not in the export: it is taken from ``target_model`` (the verifier), as the engines do.
+
+def _flag(cfg: dict, key: str, default, where):
+    """``cfg[key]`` as a bool (``default`` when absent or null); anything but true/false is refused."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise DraftTrainError(f"{where}: {key}={v!r}, expected true or false")
+    return v
+
+
+def _warn_sliding_window(lc: dict, where) -> None:
+    """speculators' trainer gives its draft layers sliding-window attention (window 2048) by default; this
+    decoder attends over the whole context, which is the same computation while a sequence fits the window."""
+    if "sliding_attention" in (lc.get("layer_types") or []) and lc.get("sliding_window"):
+        print(f"[drafttrain] warning: {where}: the draft layers use sliding-window attention (window "
+              f"{lc['sliding_window']}); this decoder attends over the full context, exact for sequences of up to "
+              f"{lc['sliding_window']} tokens", flush=True)
+
+
+def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
+    """An :class:`~drafttrain.drafters.eagle3.Eagle3Drafter` from an exported vLLM or SGLang directory, or a
+    checkpoint speculators wrote (the same speculators layout, with ``embed_tokens`` and any of the norm
+    flags ``norm_before_residual``, ``norm_before_fc``, ``fc_norm``, ``norm_output``).
+
+    Without ``embed_tokens.weight`` in the directory (drafttrain's exports) the embedding is taken from
+    ``target_model`` (the verifier), as the engines do.
     """
     from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
@@ -196,12 +244,9 @@ def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
     if layout == "vllm":
         lc = raw.get("transformer_layer_config") or {}
         taps = raw.get("eagle_aux_hidden_state_layer_ids")
-        if raw.get("norm_before_residual", True) is not NORM_BEFORE_RESIDUAL:
-            raise DraftTrainError(f"{where}: norm_before_residual={raw.get('norm_before_residual', True)} (implicit "
-                                  "true when absent); this decoder implements false only")
-        if raw.get("norm_before_fc"):
-            raise DraftTrainError(f"{where}: norm_before_fc=true is not supported by this decoder")
-        v31 = {"fc_norm": bool(raw.get("fc_norm")), "norm_output": bool(raw.get("norm_output"))}
+        # vLLM's reading (transformers_utils/configs/speculators/algos.py update_eagle3): norm_before_residual
+        # is true when absent, the other three false
+        norms = {k: _flag(raw, k, k == "norm_before_residual", where) for k in NORM_FLAGS}
         target = exported_target(raw) or ""
     else:
         lc = raw
@@ -210,12 +255,16 @@ def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
         top = raw.get("eagle_aux_hidden_state_layer_ids")
         if nested is not None and top is not None and [int(t) for t in top] != taps:
             raise DraftTrainError(f"{where}: eagle_config ids {nested} (+1) disagree with top-level ids {top}")
-        if raw.get("norm_before_residual", False):
-            raise DraftTrainError(f"{where}: norm_before_residual=true is not supported by this decoder")
+        # vLLM's reading of the flat layout: every flag false when absent; eagle_config.norm_before_fc (ModelOpt's
+        # place for it) wins over the top-level key
+        norms = {k: _flag(raw, k, False, where) for k in NORM_FLAGS}
+        nested_fc = _flag(raw.get("eagle_config") or {}, "norm_before_fc", None, where)
+        if nested_fc is not None:
+            norms["norm_before_fc"] = nested_fc
         target = ""
-        v31 = {"fc_norm": bool(raw.get("fc_norm")), "norm_output": bool(raw.get("norm_output"))}
     if taps is None:
         raise DraftTrainError(f"{where}: no eagle_aux_hidden_state_layer_ids (the taps must be explicit)")
+    _warn_sliding_window(lc, where)
     try:
         rope = lc.get("rope_theta") or (lc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         config = Eagle3Config(
@@ -227,7 +276,7 @@ def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
             rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)), rope_theta=float(rope),
             max_position_embeddings=int(lc.get("max_position_embeddings", 2048)),
             num_layers=int(lc.get("num_hidden_layers", 1)), tap_layers=[int(t) for t in taps],
-            target_name_or_path=target, initializer_range=float(lc.get("initializer_range", 0.02)), **v31,
+            target_name_or_path=target, initializer_range=float(lc.get("initializer_range", 0.02)), **norms,
         )
     except KeyError as e:
         raise DraftTrainError(f"{where}: missing key {e.args[0]!r}") from None

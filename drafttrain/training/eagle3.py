@@ -72,7 +72,8 @@ class Eagle3Method:
         return Eagle3Drafter.from_target(
             target_model, self.taps, d2t, t2d, num_layers=self.cfg.num_layers, target_name_or_path=target_name,
             fc_norm=self.cfg.fc_norm, norm_output=self.cfg.norm_output, qk_norm=self.cfg.qk_norm,
-            init_layer=self.cfg.init_layer,
+            init_layer=self.cfg.init_layer, norm_before_residual=self.cfg.norm_before_residual,
+            norm_before_fc=self.cfg.norm_before_fc,
         )
 
     def describe(self, drafter) -> str:
