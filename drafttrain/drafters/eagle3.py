@@ -29,7 +29,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,9 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
+    # the target's RoPE scaling, HF ``rope_parameters`` without rope_theta (e.g. {"rope_type": "llama3",
+    # "factor": 8.0, ...}); None: unscaled. linear, llama3 and yarn (static frequencies) are implemented
+    rope_scaling: Optional[dict] = None
     num_layers: int = 1
     tap_layers: list[int] = field(default_factory=lambda: [2, 4, 5])
     target_name_or_path: str = ""
@@ -103,6 +106,11 @@ class Eagle3Config:
             problems.append(f"draft_vocab_size ({self.draft_vocab_size}) > vocab_size ({self.vocab_size})")
         if len(self.tap_layers) != 3:
             problems.append(f"tap_layers must have 3 entries (got {self.tap_layers})")
+        self.rope_scaling = normalise_rope_scaling(self.rope_scaling)
+        rtype = (self.rope_scaling or {}).get("rope_type", "default")
+        if rtype not in SCALED_ROPE_TYPES:
+            problems.append(f"rope_type {rtype!r} is not implemented by the drafter (implemented: default, "
+                            f"{', '.join(SCALED_ROPE_TYPES[1:])}; dynamic / longrope depend on the sequence length)")
         if problems:
             raise DraftTrainError("invalid Eagle3Config: " + "; ".join(problems))
 
@@ -127,6 +135,30 @@ def _cfg_get(cfg: Any, *names: str, default: Any = None) -> Any:
         if v is not None:
             return v
     return default
+
+
+SCALED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def normalise_rope_scaling(scaling: Optional[dict]) -> Optional[dict]:
+    """HF rope parameters without the theta (None for unscaled RoPE); ``type`` (older configs) -> ``rope_type``."""
+    if not scaling:
+        return None
+    d = {k: v for k, v in dict(scaling).items() if k != "rope_theta"}
+    if "type" in d and "rope_type" not in d:
+        d["rope_type"] = d.pop("type")
+    d.pop("type", None)
+    return None if d.get("rope_type", "default") == "default" else d
+
+
+def rope_scaling_of(cfg: Any) -> Optional[dict]:
+    """The RoPE scaling of an HF (text) config: transformers 5 ``rope_parameters`` or the older ``rope_scaling``."""
+    rp = getattr(cfg, "rope_parameters", None)
+    if isinstance(rp, dict) and isinstance(rp.get("full_attention"), dict):  # per-layer-type parameters
+        rp = rp["full_attention"]
+    if not isinstance(rp, dict) or "rope_type" not in rp and "type" not in rp:
+        rp = getattr(cfg, "rope_scaling", None)
+    return normalise_rope_scaling(rp) if isinstance(rp, dict) else None
 
 
 def _rope_theta(cfg: Any) -> float:
@@ -164,23 +196,45 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Default (unscaled) Llama RoPE. Frequencies are computed in float32 on use, so casting the module to
-    bf16/fp16 does not degrade them (a float buffer would be cast by ``.to(dtype)``)."""
+    """Llama RoPE, unscaled or with the target's static scaling (linear / llama3 / yarn: frequencies and the
+    attention factor from transformers' ``ROPE_INIT_FUNCTIONS``, as the target and the engines compute them).
+    Frequencies are kept in float32 outside the state dict, so casting the module to bf16/fp16 does not
+    degrade them."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: Optional[dict] = None,
+                 max_position_embeddings: int = 2048) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = float(theta)
+        self.scaling = normalise_rope_scaling(scaling)
+        self.max_position_embeddings = int(max_position_embeddings)
+        self._cache: dict[torch.device, tuple[torch.Tensor, float]] = {}
+
+    def _frequencies(self, device: torch.device) -> tuple[torch.Tensor, float]:
+        if device not in self._cache:
+            if self.scaling is None:
+                exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+                inv, factor = 1.0 / (self.theta ** exponent), 1.0
+            else:
+                from transformers import LlamaConfig
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+                cfg = LlamaConfig(hidden_size=self.head_dim, num_attention_heads=1, head_dim=self.head_dim,
+                                  max_position_embeddings=self.max_position_embeddings,
+                                  rope_parameters={**self.scaling, "rope_theta": self.theta})
+                inv, factor = ROPE_INIT_FUNCTIONS[self.scaling["rope_type"]](cfg, torch.device("cpu"))
+            self._cache[device] = (inv.to(device=device, dtype=torch.float32), float(factor))
+        return self._cache[device]
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-        return (1.0 / (self.theta ** exponent)).to(device=device, dtype=torch.float32)
+        return self._frequencies(device)[0]
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids ``[..., T]`` -> cos, sin ``[..., T, head_dim]``."""
-        freqs = position_ids.float()[..., None] * self.inv_freq(position_ids.device)
+        """position_ids ``[..., T]`` -> cos, sin ``[..., T, head_dim]`` (times the attention factor)."""
+        inv, factor = self._frequencies(position_ids.device)
+        freqs = position_ids.float()[..., None] * inv
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -445,7 +499,7 @@ class Eagle3Drafter(nn.Module):
         self.layers = nn.ModuleList([Eagle3Layer(c, first=(i == 0)) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta)
+        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
         if d2t is None:
             d2t = torch.zeros(c.draft_vocab_size, dtype=torch.long)
         if t2d is None:
@@ -524,6 +578,7 @@ class Eagle3Drafter(nn.Module):
             draft_vocab_size=int(d2t.numel()),
             rms_norm_eps=float(_cfg_get(cfg, "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", default=1e-6)),
             rope_theta=_rope_theta(cfg),
+            rope_scaling=rope_scaling_of(cfg),
             max_position_embeddings=int(_cfg_get(cfg, "max_position_embeddings", default=2048)),
             num_layers=int(num_layers),
             tap_layers=taps,

@@ -84,15 +84,25 @@ def _layer_config(c, dtype: str) -> dict:
         "rms_norm_eps": c.rms_norm_eps,
         "vocab_size": c.vocab_size,
         "max_position_embeddings": c.max_position_embeddings,
-        "rope_theta": c.rope_theta,  # unscaled RoPE, as the drafter was trained
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "rope_theta": c.rope_theta,  # the RoPE the drafter was trained with: the target's, scaling included
+        "rope_scaling": dict(c.rope_scaling) if c.rope_scaling else None,
+        "rope_parameters": {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta},
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
         "initializer_range": c.initializer_range,
         "torch_dtype": dtype,
     }
+
+
+def _rope_scaling(lc: dict):
+    """The layer config's RoPE scaling (transformers 5 ``rope_parameters`` or the older ``rope_scaling``)."""
+    from ..drafters.eagle3 import normalise_rope_scaling
+
+    rp = lc.get("rope_parameters")
+    if not isinstance(rp, dict) or not ({"rope_type", "type"} & rp.keys()):
+        rp = lc.get("rope_scaling")
+    return normalise_rope_scaling(rp) if isinstance(rp, dict) else None
 
 
 def tensors_for_export(drafter, dtype: torch.dtype, with_t2d: bool) -> dict[str, torch.Tensor]:
@@ -274,6 +284,7 @@ def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
             head_dim=int(lc.get("head_dim") or int(lc["hidden_size"]) // int(lc["num_attention_heads"])),
             vocab_size=int(lc["vocab_size"]), draft_vocab_size=int(raw["draft_vocab_size"]),
             rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)), rope_theta=float(rope),
+            rope_scaling=_rope_scaling(lc),
             max_position_embeddings=int(lc.get("max_position_embeddings", 2048)),
             num_layers=int(lc.get("num_hidden_layers", 1)), tap_layers=[int(t) for t in taps],
             target_name_or_path=target, initializer_range=float(lc.get("initializer_range", 0.02)), **norms,
