@@ -133,12 +133,12 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
 
     from .decoding import (DraftModelProposer, Eagle3ChainProposer, Eagle3TreeProposer, NoDraft,
                            PromptLookupProposer, SpecDecoder, TargetRunner)
-    from .eval import _gen_eos
+    from .targets.load import stop_token_ids
 
     if not prompts:
         raise DraftTrainError("bench: no prompts")
     hf_logging.set_verbosity_error()
-    eos = sorted({t for t in [tokenizer.eos_token_id, *_gen_eos(model)] if t is not None})
+    eos = sorted(stop_token_ids(model, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     tree_cfg = dict(depth=6, top_k=8, total_tokens=48) if tree is None else dict(tree)
     max_len = max(len(p) for p in prompts) + max_new_tokens + max(num_draft_tokens, pld_num_tokens,
@@ -345,9 +345,9 @@ def tune(model, tokenizer, prompts, proposer, decode, *, taps=None, method: str,
     """Measure acceptance and costs on ``prompts`` and pick the draft length (chains) or tree size (trees)."""
     from .decoding import SpecDecoder, TargetRunner, aggregate
     from .decoding.tune import choose_chain_length, choose_tree_size, measure_verify_cost
-    from .eval import _gen_eos
+    from .targets.load import stop_token_ids
 
-    eos = [t for t in {tokenizer.eos_token_id, *_gen_eos(model)} if t is not None]
+    eos = stop_token_ids(model, tokenizer)
     is_tree = bool(getattr(proposer, "tree", False))
     biggest = max(max_draft_tokens, max(tree_sizes) if is_tree else 0)
     max_len = max(len(p) for p in prompts) + max_new_tokens + biggest + 8

@@ -307,13 +307,14 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
     from .decoding.engine import SpecDecoder, aggregate
     from .decoding.proposers import NoDraft
     from .decoding.target import TargetRunner
+    from .targets.load import stop_token_ids
 
     if not prompts:
         raise DraftTrainError("no evaluation prompts (data.num_eval rows of the evaluation set are empty?)")
     if decode.cache not in ("auto", "static", "dynamic"):
         raise DraftTrainError(f"decode.cache={decode.cache}: expected auto, static or dynamic")
     max_len = max(len(p) for p in prompts) + decode.max_new_tokens + extra_positions(decode)
-    eos = [t for t in {tokenizer.eos_token_id, *(_gen_eos(model))} if t is not None]
+    eos = stop_token_ids(model, tokenizer)
     kw = dict(temperature=decode.temperature, top_k=decode.top_k, top_p=decode.top_p)
     rkw = dict(max_len=max_len, cache=decode.cache, **_static_kw(decode, buckets=True))
     try:
@@ -483,14 +484,6 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
             plot_speedup(report, run_dir / "speedup.png")
         print(f"[drafttrain] report: {run_dir / 'report.json'}", flush=True)
     return report
-
-
-def _gen_eos(model) -> list[int]:
-    gc = getattr(model, "generation_config", None)
-    e = getattr(gc, "eos_token_id", None) if gc is not None else None
-    if e is None:
-        return []
-    return list(e) if isinstance(e, (list, tuple)) else [e]
 
 
 def eval_prompt_ids(tokenizer, convs, limit: int) -> list[list[int]]:

@@ -395,3 +395,18 @@ def test_distill_checkpoint_and_save_round_trip(tmp_path, init, hidden):
     assert re.config.drafter_type == "draft_lm"
     with torch.no_grad():
         torch.testing.assert_close(re(input_ids=ids).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_every_stop_token_of_the_target_stays_in_the_eagle3_draft_vocabulary():
+    """Llama-3 / Qwen3 list several end tokens in generation_config; the draft vocabulary keeps every one,
+    even one the training answers never contain (else the drafter could never propose it)."""
+    from drafttrain.targets.load import stop_token_ids
+    from drafttrain.training.eagle3 import Eagle3Method
+
+    t = _target()
+    t.generation_config.eos_token_id = [2, V - 1]  # V - 1: never in the data below
+    assert stop_token_ids(t, _Tok()) == [2, V - 1]
+    m = Eagle3Method(_cfg("Eagle3Config", ttt_steps=2, draft_vocab_size=8), _Tok(), t)
+    examples = [{"input_ids": list(range(3, 20)), "loss_mask": [1] * 17, "attention_mask": [1] * 17}]
+    d = m.build_drafter(t, examples, "tiny")
+    assert bool(d.t2d[2]) and bool(d.t2d[V - 1])

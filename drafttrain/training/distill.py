@@ -33,6 +33,7 @@ from ..data.packing import lm_inputs
 from ..drafters.draft_lm import build_draft_lm, on_policy_records, sample_on_policy
 from ..io import DraftTrainError, atomic_dir
 from ..losses import KD_KINDS, ce_loss, kd_loss, next_token_mask
+from ..targets.load import stop_token_ids
 
 DRAFTER_TYPE = "draft_lm"
 
@@ -118,7 +119,7 @@ class DistillMethod:
         if cfg.on_policy_ratio > 0 and int(cfg.on_policy_max_new_tokens) < 1:
             raise DraftTrainError("distill.on_policy_max_new_tokens must be >= 1 with distill.on_policy_ratio > 0")
         self.seed = int(seed)
-        self.eos = [t for t in {tokenizer.eos_token_id, *_gen_eos(target_model)} if t is not None]
+        self.eos = stop_token_ids(target_model, tokenizer)
         self.on_policy_rows = 0
 
     @staticmethod
@@ -276,11 +277,3 @@ class DistillMethod:
         return target_model, lm, {"target_modified": False, "draft_loss": self.cfg.loss,
                                   "on_policy_ratio": float(self.cfg.on_policy_ratio),
                                   "on_policy_rows": self.on_policy_rows}
-
-
-def _gen_eos(model) -> list[int]:
-    gc = getattr(model, "generation_config", None)
-    e = getattr(gc, "eos_token_id", None) if gc is not None else None
-    if e is None:
-        return []
-    return list(e) if isinstance(e, (list, tuple)) else [e]

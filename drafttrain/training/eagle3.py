@@ -16,7 +16,7 @@ from ..drafters.eagle3 import Eagle3Drafter
 from ..io import DraftTrainError
 from ..losses import (EAGLE3_LOSSES, Eagle3Teacher, combine_step_losses, eagle3_step_stats, eagle3_valid_mask,
                       step_weights, teacher_from_hidden, teacher_from_logits)
-from ..targets.load import num_layers, resolve_taps
+from ..targets.load import num_layers, resolve_taps, stop_token_ids
 
 
 @dataclass
@@ -52,7 +52,9 @@ class Eagle3Method:
         if self.ttt_steps < 1:
             raise DraftTrainError(f"eagle3.ttt_steps={self.ttt_steps}: must be >= 1")
         self.weights = step_weights(self.ttt_steps, cfg.step_decay)
-        self.eos_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
+        # every stop token stays in the draft vocabulary (Llama-3 / Qwen3 list several; a rare one would
+        # otherwise fall out and the drafter could never propose the end of an answer)
+        self.eos_ids = stop_token_ids(target_model, tokenizer)
         if cfg.loss not in EAGLE3_LOSSES:
             raise DraftTrainError(f"eagle3.loss={cfg.loss}: expected one of {', '.join(EAGLE3_LOSSES)}")
         self.loss_kind = cfg.loss
