@@ -201,15 +201,15 @@ def _build_target_task(cfg):
 
 
 def _regenerate_task(cfg):
-    from .data.regenerate import regenerate_file
+    from .data.regenerate import describe_stats, regenerate_file
     from .targets.load import load_target
 
     model, tokenizer, _ = load_target(cfg.target)
     stats = regenerate_file(
         model, tokenizer, cfg.input, cfg.output, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, drop_truncated=cfg.drop_truncated,
     )
-    print(stats)
+    print(f"[drafttrain] {describe_stats(stats)} -> {cfg.output}", flush=True)
 
 
 def _capture_task(cfg):

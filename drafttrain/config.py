@@ -440,6 +440,9 @@ class RegenerateJob:
     temperature: float = num(0.0, ge=0)
     top_p: float = num(1.0, gt=0, le=1)
     seed: int = num(0, ge=0)
+    # end each conversation before its first turn that stopped at max_new_tokens without an end token (a row whose
+    # first answer did is written as "dropped": kept out of training, still resumable); false: keep and count them
+    drop_truncated: bool = False
 
 
 def register_configs() -> None:

@@ -27,8 +27,10 @@ def target(tiny_builtin_target):
 
 
 def _direct_greedy(model, tok, messages) -> str:
-    """A plain, unbatched greedy `generate` call: the reference for what regenerate must write."""
-    ids = torch.tensor([prompt_ids(tok, messages)])
+    """A plain, unbatched greedy `generate` call on the whole of ``messages`` (the turns before the answer): the
+    reference for what regenerate must write."""
+    ids = torch.tensor([tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                add_generation_prompt=True)["input_ids"]])
     out = model.generate(
         input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
         pad_token_id=tok.pad_token_id, eos_token_id=eos_token_ids(model, tok),
@@ -178,3 +180,112 @@ def test_builtin_dataset_regenerates_and_caches(target, tmp_path):
     # data=builtin without regeneration keeps the stdlib answers
     raw, _ = builtin_dataset(None, tok, **{**kw, "regenerate": False})
     assert [c.messages for c in raw] == [c.messages for c in originals]
+
+
+# ------------------------------------------------------------------ truncation (turns stopped at max_new_tokens)
+class _ScriptedTarget:
+    """A stand-in target whose answer length is set by the prompt: the last ``<n=K>`` in it asks for K tokens
+    (``x``) followed by eos, so which turns reach max_new_tokens without an eos is known exactly. Batched and
+    left-padded like ``model.generate`` (finished rows padded)."""
+
+    training = False
+    config = None
+
+    def __init__(self, tok):
+        from transformers import GenerationConfig
+
+        self.tok = tok
+        self.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        self.x = tok.encode("x", add_special_tokens=False)[0]
+
+    def parameters(self):
+        return iter(())
+
+    def eval(self):
+        return self
+
+    def generate(self, input_ids, attention_mask, generation_config):
+        import re
+
+        limit, pad = generation_config.max_new_tokens, generation_config.pad_token_id
+        new = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            text = self.tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=True)
+            k = int(re.findall(r"<n=(\d+)>", text)[-1])
+            new.append(([self.x] * k + [self.tok.eos_token_id])[:limit])
+        width = max(len(r) for r in new)
+        return torch.cat([input_ids, torch.tensor([r + [pad] * (width - len(r)) for r in new])], dim=1)
+
+
+def _turns(*ks):
+    msgs = []
+    for k in ks:
+        msgs += [{"role": "user", "content": f"<n={k}> def f{k}():"}, {"role": "assistant", "content": "old"}]
+    return msgs
+
+
+# max_new_tokens=8: K=7 is 7 tokens + eos (complete), K=8 reaches the limit before its eos (truncated)
+TRUNC_ROWS = [("a", (3,)), ("b", (20,)), ("c", (8,)), ("g", (7,)), ("d", (2, 30)), ("e", (30, 2)), ("f", (1,))]
+TRUNC_KW = dict(batch_size=3, max_new_tokens=8, progress=False)
+
+
+@pytest.fixture()
+def trunc_file(tmp_path):
+    path = tmp_path / "trunc.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "messages": _turns(*ks)}) + "\n" for i, ks in TRUNC_ROWS))
+    return path
+
+
+def test_truncated_turns_are_counted_and_reported(target, trunc_file, tmp_path):
+    from drafttrain.data.regenerate import describe_stats
+
+    fake = _ScriptedTarget(target[1])
+    out = tmp_path / "out.jsonl"
+    stats = regenerate_file(fake, fake.tok, trunc_file, out, **TRUNC_KW)
+    # truncated turns: b, c, d's second, e's first (9 turns in all); rows: b, c, d, e
+    assert (stats["turns"], stats["truncated_turns"], stats["truncated_rows"]) == (9, 4, 4)
+    assert stats["dropped"] == stats["truncated_dropped"] == stats["truncated_cut"] == 0
+    rows = {r["id"]: r["messages"] for r in _rows(out)}
+    assert [len(rows[i]) for i, _ in TRUNC_ROWS] == [2, 2, 2, 2, 4, 4, 2]  # kept whole
+    assert rows["c"][1]["content"] == "x" * 8 and rows["g"][1]["content"] == "x" * 7
+    line = describe_stats(stats)
+    assert "regenerated 7 rows (9 turns, " in line
+    assert ("4 turns (44.4%) in 4 rows stopped at max_new_tokens=8 without an end token: raise max_new_tokens or "
+            "set drop_truncated=true to keep them out of training") in line
+    assert "{" not in line
+
+
+def test_drop_truncated_keeps_exactly_the_complete_turns_and_resumes(target, trunc_file, tmp_path):
+    from drafttrain.data.regenerate import describe_stats
+
+    fake = _ScriptedTarget(target[1])
+    kw = dict(TRUNC_KW, drop_truncated=True)
+    full = tmp_path / "full.jsonl"
+    stats = regenerate_file(fake, fake.tok, trunc_file, full, **kw)
+    # e's second turn is never asked (its conversation ended before its truncated first turn): 8 turns
+    assert (stats["turns"], stats["truncated_turns"], stats["truncated_rows"]) == (8, 4, 4)
+    assert (stats["dropped"], stats["truncated_dropped"], stats["truncated_cut"]) == (3, 3, 1)
+    rows = _rows(full)
+    assert [r["id"] for r in rows] == [i for i, _ in TRUNC_ROWS]  # every row written, in input order
+    assert [r["id"] for r in rows if "dropped" in r] == ["b", "c", "e"]
+    assert all("max_new_tokens=8" in r["dropped"] for r in rows if "dropped" in r)
+    kept = read_conversations(full)
+    assert [c.row_id for c in kept] == ["a", "g", "d", "f"]
+    d = next(c for c in kept if c.row_id == "d")
+    assert [m["role"] for m in d.messages] == ["user", "assistant"] and d.messages[1]["content"] == "xx"
+    assert "kept out (drop_truncated): 3 rows dropped, 1 rows ended before their truncated turn" in describe_stats(stats)
+
+    # a crash after 2 rows (mid-chunk) + a torn third: the resumed output is byte-identical and counts the rest
+    lines = full.read_bytes().split(b"\n")[:-1]
+    crashed = tmp_path / "crashed.jsonl"
+    crashed.write_bytes(b"\n".join(lines[:2]) + b"\n" + lines[2][:7])
+    (tmp_path / "crashed.jsonl.meta.json").write_bytes((tmp_path / "full.jsonl.meta.json").read_bytes())
+    stats = regenerate_file(fake, fake.tok, trunc_file, crashed, **kw)
+    assert crashed.read_bytes() == full.read_bytes()
+    assert (stats["already_done"], stats["rows"]) == (2, 5)
+    assert (stats["truncated_turns"], stats["truncated_rows"], stats["truncated_dropped"], stats["truncated_cut"]) == \
+        (3, 3, 2, 1)  # c, d's second turn, e
+    # resuming with the other drop_truncated would mix two kinds of rows
+    crashed.write_bytes(b"\n".join(lines[:2]) + b"\n")
+    with pytest.raises(DraftTrainError, match=r"drop_truncated: True -> False"):
+        regenerate_file(fake, fake.tok, trunc_file, crashed, **TRUNC_KW)

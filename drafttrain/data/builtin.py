@@ -19,7 +19,7 @@ from pathlib import Path
 from ..io import DraftTrainError
 from . import stdlib
 from .chat import Conversation, read_conversations
-from .regenerate import regenerate_to_jsonl
+from .regenerate import describe_stats, regenerate_to_jsonl
 
 __all__ = ["builtin_conversations", "builtin_dataset", "regenerated_cache_path"]
 
@@ -116,10 +116,7 @@ def builtin_dataset(
         wait_for_lock=True,
     )
     if stats["rows"] and progress:
-        print(
-            f"[drafttrain] regenerated {stats['rows']} builtin conversations with the target "
-            f"({stats['dropped']} dropped, {stats['new_tokens']} tokens, {stats['seconds']}s) -> {path}",
-            flush=True,
-        )
+        print(f"[drafttrain] built-in data: {describe_stats(stats, 'data.regen_max_new_tokens', None)} -> {path}",
+              flush=True)
     regenerated = read_conversations(path)  # rows the target could not answer ("dropped") are left out
     return list(regenerated), evals

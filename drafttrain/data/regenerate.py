@@ -16,6 +16,14 @@ assistant turn, or a prompt that does not fit the model's positions) is written 
 :func:`drafttrain.data.chat.read_conversations` skips such rows. An empty answer to a later turn ends the
 conversation before that turn. Settings are recorded next to the output in ``<out>.meta.json``; resuming with
 different generation settings is refused.
+
+Truncation: a turn is *truncated* when the target produced ``max_new_tokens`` tokens without any of its stop
+tokens (:func:`eos_token_ids`); it is counted per turn (``truncated_turns``; ``truncated_rows`` = rows with at
+least one) and :func:`describe_stats` reports it as a count and a percentage. With ``drop_truncated=True`` a
+conversation ends before its first truncated turn, like an empty answer: the row keeps its earlier, complete
+turns, or, when its first answer is the truncated one, is written as a ``"dropped"`` row (so resume still knows
+it is done, and readers skip it). Kept rows stay in input order. ``drop_truncated`` is one of the checked
+settings (a resumed run must use the same value).
 """
 from __future__ import annotations
 
@@ -33,10 +41,10 @@ import torch
 from ..io import DraftTrainError, read_json, write_json
 from .chat import Conversation, prompt_ids, read_conversations
 
-__all__ = ["regenerate_conversations", "regenerate_file", "regenerate_to_jsonl", "eos_token_ids"]
+__all__ = ["regenerate_conversations", "regenerate_file", "regenerate_to_jsonl", "eos_token_ids", "describe_stats"]
 
 META_SUFFIX = ".meta.json"
-_CHECKED_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "model")
+_CHECKED_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "model", "drop_truncated")
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -144,15 +152,16 @@ def _generate_batch(model, tokenizer, prompts: list[list[int]], gc, eos_ids, pad
     return results
 
 
-def _stop(state: dict, why: str) -> None:
-    """End a conversation: after its last regenerated assistant turn, or drop it if it has none."""
+def _stop(state: dict, why: str) -> bool:
+    """End a conversation: after its last regenerated assistant turn, or drop it if it has none (True)."""
     state["pending"] = []
     msgs = state["messages"]
     last = max((j for j, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
     if last is None:
         state["dropped"] = why
-    else:
-        del msgs[last + 1 :]
+        return True
+    del msgs[last + 1 :]
+    return False
 
 
 def _finish(conv: Conversation, state: dict) -> dict:
@@ -174,20 +183,26 @@ def regenerate_conversations(
     progress: bool = True,
     skip: Callable[[int], bool] | None = None,
     on_row: Callable[[int, dict], None] | None = None,
+    drop_truncated: bool = False,
 ) -> tuple[list[dict], dict[str, Any]]:
     """Regenerate the assistant turns of ``convs`` in memory.
 
     Returns ``(rows, stats)``: one output row per conversation not skipped (``skip(index)`` true = already done),
     in input order, each ``{"id", "messages"}`` (plus ``"dropped": why`` when the target could not answer);
-    ``on_row(index, row)`` is called as soon as a row is final, in input order. Stats: rows, dropped, turns,
-    unfinished_turns (stopped by max_new_tokens, not eos), new_tokens, seconds.
+    ``on_row(index, row)`` is called as soon as a row is final, in input order. Stats: rows, dropped (rows
+    written as dropped, any reason), turns (generated), truncated_turns (stopped at max_new_tokens without a stop
+    token), truncated_rows (rows with at least one), and with ``drop_truncated``: truncated_dropped (rows dropped
+    because their first answer was truncated) and truncated_cut (rows ended before a later truncated turn);
+    new_tokens, seconds, max_new_tokens, drop_truncated.
     """
     _validate_settings(batch_size, max_new_tokens, temperature, top_p)
     convs = [
         c if isinstance(c, Conversation) else Conversation(messages=list(c), line=i + 1) for i, c in enumerate(convs)
     ]
     todo = {i for i in range(len(convs)) if not (skip is not None and skip(i))}
-    stats: dict[str, Any] = {"rows": 0, "dropped": 0, "turns": 0, "unfinished_turns": 0, "new_tokens": 0}
+    stats: dict[str, Any] = {"rows": 0, "dropped": 0, "turns": 0, "truncated_turns": 0, "truncated_rows": 0,
+                             "truncated_dropped": 0, "truncated_cut": 0, "new_tokens": 0,
+                             "max_new_tokens": int(max_new_tokens), "drop_truncated": bool(drop_truncated)}
     if not todo:
         stats["seconds"] = 0.0
         return [], stats
@@ -213,7 +228,8 @@ def regenerate_conversations(
             if not todo.intersection(chunk):
                 continue
             # The whole chunk is generated even if part of it is done: same batches as an uninterrupted run.
-            state = {i: {"messages": [], "dropped": None, "pending": list(convs[i].messages)} for i in chunk}
+            state = {i: {"messages": [], "dropped": None, "pending": list(convs[i].messages), "truncated": 0,
+                         "cut": None} for i in chunk}
             with _seeded(seed * 1_000_003 + start, device):
                 while True:
                     ask = []
@@ -227,7 +243,9 @@ def regenerate_conversations(
                         break
                     prompts, asked = [], []
                     for i in ask:
-                        p = prompt_ids(tokenizer, state[i]["messages"])
+                        # everything so far (earlier regenerated turns included) + the generation prompt; the
+                        # placeholder answer marks where the prompt ends (prompt_ids cuts at the last assistant turn)
+                        p = prompt_ids(tokenizer, [*state[i]["messages"], {"role": "assistant", "content": ""}])
                         if max_pos is not None and len(p) + max_new_tokens > max_pos:
                             _stop(
                                 state[i],
@@ -246,8 +264,13 @@ def regenerate_conversations(
                         if i in todo:
                             stats["turns"] += 1
                             stats["new_tokens"] += n_new
-                            stats["unfinished_turns"] += not finished
-                        if text.strip():
+                            stats["truncated_turns"] += not finished
+                        s["truncated"] += not finished
+                        if not finished and drop_truncated:
+                            dropped = _stop(s, f"the target's answer stopped at max_new_tokens={max_new_tokens} "
+                                               "(drop_truncated)")
+                            s["cut"] = "dropped" if dropped else "cut"
+                        elif text.strip():
                             s["messages"].append({"role": "assistant", "content": text})
                         else:
                             _stop(s, "the target's answer is empty")
@@ -257,6 +280,9 @@ def regenerate_conversations(
                 row = _finish(convs[i], state[i])
                 stats["rows"] += 1
                 stats["dropped"] += "dropped" in row
+                stats["truncated_rows"] += state[i]["truncated"] > 0
+                stats["truncated_dropped"] += state[i]["cut"] == "dropped"
+                stats["truncated_cut"] += state[i]["cut"] == "cut"
                 rows.append(row)
                 if on_row is not None:
                     on_row(i, row)
@@ -269,6 +295,50 @@ def regenerate_conversations(
             model.train()
     stats["seconds"] = round(time.time() - t0, 2)
     return rows, stats
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 60:
+        return f"{seconds:.1f}s"
+    h, rem = divmod(s, 3600)
+    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
+
+
+def describe_stats(stats: dict[str, Any], max_new_tokens_key: str = "max_new_tokens",
+                   drop_key: str | None = "drop_truncated") -> str:
+    """One readable line for the stats of a regenerate run (regenerate_conversations / regenerate_to_jsonl):
+    rows and turns generated, how many turns stopped at max_new_tokens (count and percentage) with what to do
+    about it, and what was dropped. ``max_new_tokens_key`` / ``drop_key`` name the settings in the hint (the
+    built-in data path has its own names; ``drop_key=None``: no drop option to suggest)."""
+    rows, turns = int(stats.get("rows", 0)), int(stats.get("turns", 0))
+    done, total = stats.get("already_done"), stats.get("total")
+    head = f"regenerated {rows} rows ({turns} turns, {int(stats.get('new_tokens', 0))} new tokens) in " \
+           f"{_duration(float(stats.get('seconds', 0.0)))}"
+    if done:
+        head += f"; {done} of {total} rows were already done"
+    parts = [head]
+    n_trunc, limit = int(stats.get("truncated_turns", 0)), stats.get("max_new_tokens")
+    if n_trunc:
+        pct = 100.0 * n_trunc / max(1, turns)
+        line = (f"{n_trunc} turns ({pct:.1f}%) in {int(stats.get('truncated_rows', 0))} rows stopped at "
+                f"{max_new_tokens_key}={limit} without an end token")
+        if stats.get("drop_truncated"):
+            line += (f"; kept out ({drop_key or 'drop_truncated'}): {int(stats.get('truncated_dropped', 0))} rows "
+                     f"dropped, {int(stats.get('truncated_cut', 0))} rows ended before their truncated turn")
+        elif drop_key:
+            line += f": raise {max_new_tokens_key} or set {drop_key}=true to keep them out of training"
+        else:
+            line += f": raise {max_new_tokens_key} to keep them complete"
+        parts.append(line)
+    elif turns:
+        parts.append(f"no turn stopped at {max_new_tokens_key}={limit}")
+    other = int(stats.get("dropped", 0)) - int(stats.get("truncated_dropped", 0))
+    if other:
+        parts.append(f"{other} rows dropped (the target could not answer: empty answer or prompt too long)")
+    if stats.get("invalid_skipped"):
+        parts.append(f"{stats['invalid_skipped']} invalid input rows skipped")
+    return "; ".join(parts)
 
 
 # ------------------------------------------------------------------------------------------ resumable output
@@ -311,7 +381,7 @@ def _recover_output(out_path: Path) -> list[str]:
     return keys
 
 
-def _settings(model, max_new_tokens, temperature, top_p, seed, batch_size) -> dict:
+def _settings(model, max_new_tokens, temperature, top_p, seed, batch_size, drop_truncated=False) -> dict:
     cfg = getattr(model, "config", None)
     return {
         "model": None if model is None else str(getattr(cfg, "_name_or_path", "") or getattr(model, "name_or_path", "")),
@@ -320,6 +390,7 @@ def _settings(model, max_new_tokens, temperature, top_p, seed, batch_size) -> di
         "top_p": float(top_p),
         "seed": int(seed),
         "batch_size": int(batch_size),
+        "drop_truncated": bool(drop_truncated),
     }
 
 
@@ -366,6 +437,7 @@ def regenerate_to_jsonl(
     seed: int = 0,
     progress: bool = True,
     wait_for_lock: bool = False,
+    drop_truncated: bool = False,
 ) -> dict[str, Any]:
     """Regenerate ``convs`` into ``out_path`` (append-only, resumable). Stats as regenerate_conversations plus
     ``already_done`` (rows found in the output) and ``total``."""
@@ -382,7 +454,7 @@ def regenerate_to_jsonl(
         if k in index:
             raise DraftTrainError(f"{c.where}: duplicate id {c.row_id!r} (also {convs[index[k]].where})")
         index[k] = i
-    settings = _settings(model, max_new_tokens, temperature, top_p, seed, batch_size)
+    settings = _settings(model, max_new_tokens, temperature, top_p, seed, batch_size, drop_truncated)
     meta_path = out_path.with_name(out_path.name + META_SUFFIX)
     with _exclusive(out_path, wait_for_lock):
         done_keys = _recover_output(out_path)
@@ -419,6 +491,7 @@ def regenerate_to_jsonl(
                 progress=progress,
                 skip=done.__contains__,
                 on_row=on_row,
+                drop_truncated=drop_truncated,
             )
             os.fsync(f.fileno())
     stats["already_done"] = len(done)
@@ -438,11 +511,13 @@ def regenerate_file(
     seed: int = 0,
     progress: bool = True,
     skip_invalid: bool = False,
+    drop_truncated: bool = False,
 ) -> dict[str, Any]:
     """Regenerate the assistant turns of the JSONL file ``in_path`` into ``out_path`` (resumable).
 
     Rows keep their ``id`` (their line number if they have none). On rerun, rows already in ``out_path`` are
-    skipped; a torn last line is removed first. ``in_path`` is only read.
+    skipped; a torn last line is removed first. ``in_path`` is only read. ``drop_truncated``: end each
+    conversation before its first turn that stopped at ``max_new_tokens`` (see the module docstring).
     """
     in_path, out_path = Path(in_path), Path(out_path)
     if out_path.resolve() == in_path.resolve() or (
@@ -461,6 +536,7 @@ def regenerate_file(
         top_p=top_p,
         seed=seed,
         progress=progress,
+        drop_truncated=drop_truncated,
     )
     stats["invalid_skipped"] = len(convs.skipped)
     return stats

@@ -262,7 +262,10 @@ def run_train(cfg) -> dict | None:
     t_log, tok_log = time.time(), 0
     cells = [0, 0]  # tensor cells and real tokens of this process's micro-batches (padding = their ratio)
     t_start = time.time()
+    speed = StepSpeed(world, start_step, tc.max_steps, sync=accelerator.device.type == "cuda")
     for step in bar:
+        speed.begin()
+        real_before = cells[1]
         mb_idx = batching.micro_batches(len(examples), plan, step, tc.seed, rank)
         rows = [[examples[i] for i in idx] for idx in mb_idx]
         if hasattr(method, "transform_examples"):  # e.g. on-policy rows sampled by the draft itself
@@ -270,6 +273,7 @@ def run_train(cfg) -> dict | None:
         mbs = [collate_packed(r, pad_id, job.data.max_length) if tc.packing else collate(r, pad_id) for r in rows]
         mbs = [{k: v.to(accelerator.device) for k, v in mb.items()} for mb in mbs]
         caps = [_capture(method, model, mb, store, idx, examples) for mb, idx in zip(mbs, mb_idx)]
+        speed.captured()
         counts = sum(method.count_valid(drafter, mb, cap) for mb, cap in zip(mbs, caps))
         counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum")
         step_stats: dict = {}
@@ -304,11 +308,20 @@ def run_train(cfg) -> dict | None:
         summary["grad_norm"] = step_stats.get("grad_norm", float("nan"))
         summary["step"] = done
         history.append(summary)
+        speed.end(cells[1] - real_before)
+        if speed.estimate_ready() and main:  # above the progress bar, which is redrawn below it
+            bar.write(f"[drafttrain] {speed.estimate_line(_cost_note(job, model, method, plan))}")
         if main:
-            bar.set_postfix(loss=f"{summary['loss']:.3f}", acc0=f"{summary['acc_0']:.2f}")
+            post = {"loss": f"{summary['loss']:.3f}", "acc0": f"{summary['acc_0']:.2f}"}
+            if speed.tokens_per_s:
+                post["tok/s"] = f"{speed.tokens_per_s:.0f}"
+            bar.set_postfix(post)
         if done % tc.log_every == 0 or done == tc.max_steps:
             dt = max(time.time() - t_log, 1e-9)
             summary["tokens_per_s"] = tok_log * world / dt
+            if speed.seconds_per_step:  # measured after the warm-up step, checkpoints and evaluations excluded
+                summary["seconds_per_step"] = speed.seconds_per_step
+                summary["eta_seconds"] = speed.seconds_per_step * (tc.max_steps - done)
             t_log, tok_log = time.time(), 0
             if main and log_with:
                 accelerator.log({f"train/{k}": v for k, v in summary.items() if k != "step"}, step=done)
@@ -331,10 +344,11 @@ def run_train(cfg) -> dict | None:
     gathered.enter_context(_full_params(accelerator, wrapped))
     if main:
         tail = history[-min(len(history), 10):]
-        train_metrics = {k: sum(h[k] for h in tail) / len(tail) for k in tail[0]} if tail else {}
+        # only what every step of the tail has (tokens_per_s and the speed are logged every train.log_every steps)
+        train_metrics = {k: sum(h[k] for h in tail) / len(tail) for k in tail[0] if all(k in h for h in tail)}
         if hasattr(method, "finalize"):  # e.g. Medusa picks its tree from the measured per-head accuracy
-            method.finalize(accelerator.unwrap_model(wrapped), train_metrics)
-        accelerator.unwrap_model(wrapped).save_pretrained(final_dir)
+            method.finalize(_unwrap(accelerator, wrapped), train_metrics)
+        _unwrap(accelerator, wrapped).save_pretrained(final_dir)
         padding = cells[0] / max(1, cells[1])
         write_json(run_dir / "train_metrics.json", {"history": history, "train_seconds": train_seconds,
                                                     "padded_per_real_token": padding})
@@ -368,6 +382,92 @@ def run_train(cfg) -> dict | None:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return report
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s" if s >= 60 else f"{seconds:.1f}s"
+
+
+class StepSpeed:
+    """Seconds per optimizer step, real tokens/s and the ETA of ``max_steps``, measured over the steps after
+    this run's first one (warm-up: allocations, lazy initialisation, kernel selection); checkpoint saves and
+    evaluations between steps are not counted. ``estimate_ready()`` is true once, after ``MEASURE`` measured
+    steps (a run with fewer steps left gets no estimate). With ``sync`` (CUDA) the device is synchronised
+    around the target's capture forward during the measured steps of the estimate only, to give its share of
+    the step time; on CPU the share is always exact. Real tokens: this process's, times the process count."""
+
+    MEASURE = 2
+
+    def __init__(self, world: int, start_step: int, max_steps: int, sync: bool = False, clock=time.perf_counter):
+        self.world, self.first, self.max_steps, self.sync, self.clock = world, start_step, max_steps, sync, clock
+        self.seconds = self.capture_seconds = 0.0
+        self.steps = self.tokens = 0
+        self.done = start_step
+        self._t0 = self._t_cap = 0.0
+        self._reported = False
+
+    def _measuring(self) -> bool:
+        return self.done > self.first  # this step is not the run's first
+
+    def _now(self) -> float:
+        if self.sync and self._measuring() and self.steps < self.MEASURE:
+            torch.cuda.synchronize()
+        return self.clock()
+
+    def begin(self) -> None:
+        self._t0 = self._now()
+
+    def captured(self) -> None:
+        self._t_cap = self._now() - self._t0
+
+    def end(self, real_tokens: int) -> None:
+        dt = self._now() - self._t0
+        if self._measuring():
+            self.steps += 1
+            self.seconds += dt
+            self.tokens += real_tokens * self.world
+            if self.steps <= self.MEASURE:
+                self.capture_seconds += self._t_cap
+        self.done += 1
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        return self.seconds / self.steps if self.steps else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.steps and self.seconds > 0 else None
+
+    def estimate_ready(self) -> bool:
+        if self._reported or self.steps < self.MEASURE or self.done >= self.max_steps:
+            return False
+        self._reported = True
+        return True
+
+    def estimate_line(self, note: str = "") -> str:
+        sps = self.seconds_per_step
+        share = self.capture_seconds / max(1e-9, sps * min(self.steps, self.MEASURE))
+        left = self.max_steps - self.done
+        return (f"speed: {sps:.2f} s/step ({100 * share:.0f}% in the target forward), {self.tokens_per_s:,.0f} real "
+                f"tokens/s, {self.tokens / self.steps:,.0f} real tokens/step{f' ({note})' if note else ''}; ETA "
+                f"{_duration(sps * left)} for the {left} steps left of {self.max_steps} (measured over steps "
+                f"{self.first + 2}-{self.done}, after a warm-up step)")
+
+
+def _cost_note(job, model, method, plan) -> str:
+    """What a training step's cost scales with, for the speed line (README: "What a training step costs")."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    rows = "packed into rows" if job.train.packing else "one per row"
+    mbs = f"{plan.accumulation} micro-batch{'es' if plan.accumulation != 1 else ''}"
+    parts = [f"{plan.global_batch} conversations {rows} of <= {job.data.max_length} tokens, {mbs} of "
+             f"{plan.micro_batch}{f' x {plan.world_size} processes' if plan.world_size > 1 else ''}"]
+    if vocab:
+        parts.append(f"target vocab {vocab}")
+    if getattr(method, "ttt_steps", None):
+        parts.append(f"{method.ttt_steps} TTT step{'s' if method.ttt_steps != 1 else ''}")
+    return ", ".join(parts)
 
 
 def _stop_if_not_finite(accelerator, value: torch.Tensor, what: str, step: int, rows: list[int], run_dir) -> None:
@@ -422,7 +522,7 @@ def _eval_checkpoint(accelerator, method, model, tokenizer, wrapped, job, eval_c
                 model, _, _ = load_target(job.target, device=accelerator.device)
 
         path = checkpoint.checkpoint_dir(run_dir, step)
-        module = accelerator.unwrap_model(wrapped)
+        module = _unwrap(accelerator, wrapped)
         eval_model, eval_drafter, extra = model, module, None
         if hasattr(method, "eval_setup"):  # what the decoder drafts with (Medusa heads, the draft LM)
             eval_model, eval_drafter, extra = method.eval_setup(model, module)
@@ -497,13 +597,28 @@ def _full_params(accelerator, wrapped):
         return contextlib.nullcontext()
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(list(accelerator.unwrap_model(wrapped).parameters()), modifier_rank=None)
+    return deepspeed.zero.GatheredParameters(list(_unwrap(accelerator, wrapped).parameters()), modifier_rank=None)
+
+
+def _unwrap(accelerator, wrapped):
+    """The drafter under its DDP / FSDP wrapper. ``accelerator.unwrap_model`` imports DeepSpeed whenever it is
+    installed (and DeepSpeed's import logs "Setting accelerator to CPU" on a machine without CUDA), so it is
+    only used in a DeepSpeed run."""
+    if checkpoint._distributed_kind(accelerator) == "DEEPSPEED":
+        return accelerator.unwrap_model(wrapped)
+    from torch.distributed.fsdp import FullyShardedDataParallel  # FSDP1's wrapper (FSDP2 shards in place)
+
+    module = wrapped
+    while isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel,
+                              FullyShardedDataParallel)):
+        module = module.module
+    return module
 
 
 def _eval_module(accelerator, wrapped, final_dir: Path):
     """The drafter to evaluate. Under ZeRO-3 the trained module's parameters are partitioned and its forward
     hooks gather them collectively, so the main process evaluates a fresh copy loaded from ``final/``."""
-    module = accelerator.unwrap_model(wrapped)
+    module = _unwrap(accelerator, wrapped)
     if not _zero3(accelerator):
         return module
     if not hasattr(type(module), "from_pretrained"):
