@@ -249,6 +249,10 @@ class TrainConfig:
     eval: bool = True  # evaluate the final drafter in the speculative decoder
     # also decode with every intermediate checkpoint (report.json in its directory; eval/* logged at its step)
     eval_checkpoints: bool = False
+    # the final evaluation also decodes at this temperature / top-p (a chat default) and reports it beside the
+    # greedy row (report.json "sampled"; its own report in sampled/); 0: greedy only
+    eval_sampled_temperature: float = num(0.7, ge=0)
+    eval_sampled_top_p: float = num(0.9, gt=0, le=1)
 
 
 @dataclass

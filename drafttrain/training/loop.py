@@ -373,6 +373,12 @@ def run_train(cfg) -> dict | None:
             eval_model, tokenizer, eval_drafter, job.decode, eval_convs, run_dir,
             target_name=tname, drafter_name=str(final_dir), train_estimated_tau=est, extra=extra,
         )
+        if tc.eval_sampled_temperature > 0 and job.decode.temperature == 0:  # the usual chat setting, beside greedy
+            from ..eval import add_sampled_row
+
+            add_sampled_row(report, eval_model, tokenizer, eval_drafter, job.decode, eval_convs, run_dir,
+                            tc.eval_sampled_temperature, tc.eval_sampled_top_p, target_name=tname,
+                            drafter_name=str(final_dir))
         if log_with:
             accelerator.log({f"eval/{k}": v for k, v in report.items() if isinstance(v, (int, float))},
                             step=tc.max_steps)
