@@ -152,9 +152,9 @@ def test_eval_takes_a_prompt_file_without_answers_and_says_how_many_prompts(tmp_
     bar = r.stderr.replace("\r", "\n").splitlines()  # the progress bar's last state: all passes, running tau
     assert any(ln.startswith("eval pld vs AR: 100%") and "15/15" in ln and "tau " in ln for ln in bar), r.stderr
     assert json.loads((tmp_path / "all" / "report.json").read_text())["prompts"] == 5
-    r = _run([*args, "data.num_eval=3", f"hydra.run.dir={tmp_path / 'last3'}"], cwd=tmp_path)
+    r = _run([*args, "data.num_eval=3", "decode.repeats=1", f"hydra.run.dir={tmp_path / 'last3'}"], cwd=tmp_path)
     assert f"eval: 3 prompts: the last 3 of 5 rows of {path}, held out from training" in r.stdout, r.stdout
-    r = _run([*args, "decode.num_prompts=2", f"hydra.run.dir={tmp_path / 'two'}"], cwd=tmp_path)
+    r = _run([*args, "decode.num_prompts=2", "decode.repeats=1", f"hydra.run.dir={tmp_path / 'two'}"], cwd=tmp_path)
     assert "eval: 2 prompts: every one of 5 rows" in r.stdout and "decode.num_prompts=2 of 5, 0 for all" in r.stdout
     assert json.loads((tmp_path / "two" / "report.json").read_text())["prompts"] == 2
 
