@@ -167,12 +167,13 @@ def run_hydra(config_name: str, task: Callable, overrides: list[str]) -> None:
     import hydra
 
     from . import config  # noqa: F401  (registers the structured configs)
-    from .runtime import configure_cpu_threads
+    from .runtime import configure_cpu_threads, quiet_deepspeed_on_cpu
 
     overrides = expand_shorthands(overrides)
     checked = [o for o in _without_hydra_flags(overrides) if not o.startswith(("hydra.", "hydra/"))]
     check_overrides(config_name, checked)
     configure_cpu_threads()
+    quiet_deepspeed_on_cpu()
     sys.argv = [sys.argv[0]] + overrides
     main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(_report_errors(task))
     main()

@@ -31,3 +31,17 @@ def configure_cpu_threads() -> None:
     n = cpu_threads_for_this_process()
     if n is not None and not torch.cuda.is_available() and n != torch.get_num_threads():
         torch.set_num_threads(n)
+
+
+def quiet_deepspeed_on_cpu(env: dict | None = None, cuda: bool | None = None) -> None:
+    """On a machine without CUDA, name DeepSpeed's accelerator (``DS_ACCELERATOR=cpu``, what it falls back to
+    anyway). Libraries import DeepSpeed whenever it is installed (transformers' ``save_pretrained`` through
+    accelerate's ``extract_model_from_parallel``), and its fallback prints "Setting accelerator to CPU …" in
+    runs that never use it. A value the user set is kept."""
+    env = os.environ if env is None else env
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if not cuda:
+        env.setdefault("DS_ACCELERATOR", "cpu")

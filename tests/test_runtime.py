@@ -17,3 +17,17 @@ def test_explicit_settings_win():
     assert threads({"OMP_NUM_THREADS": "4", "ACCELERATE_X": "1"}, cores=8) is None  # launcher told 4: keep
     assert threads({"OMP_NUM_THREADS": "1"}, cores=8) is None  # not launched: the user's own setting
     assert threads({}, cores=8) is None
+
+
+def test_deepspeed_is_told_it_is_on_cpu_only_without_cuda():
+    from drafttrain.runtime import quiet_deepspeed_on_cpu
+
+    env = {}
+    quiet_deepspeed_on_cpu(env, cuda=False)
+    assert env == {"DS_ACCELERATOR": "cpu"}
+    env = {}
+    quiet_deepspeed_on_cpu(env, cuda=True)
+    assert env == {}
+    env = {"DS_ACCELERATOR": "xpu"}
+    quiet_deepspeed_on_cpu(env, cuda=False)
+    assert env == {"DS_ACCELERATOR": "xpu"}
