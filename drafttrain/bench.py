@@ -133,7 +133,7 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
 
     from .decoding import (DraftModelProposer, Eagle3ChainProposer, Eagle3TreeProposer, NoDraft,
                            PromptLookupProposer, SpecDecoder, TargetRunner)
-    from .targets.load import stop_token_ids
+    from .data.chat import stop_token_ids
 
     if not prompts:
         raise DraftTrainError("bench: no prompts")
@@ -345,7 +345,7 @@ def tune(model, tokenizer, prompts, proposer, decode, *, taps=None, method: str,
     """Measure acceptance and costs on ``prompts`` and pick the draft length (chains) or tree size (trees)."""
     from .decoding import SpecDecoder, TargetRunner, aggregate
     from .decoding.tune import choose_chain_length, choose_tree_size, measure_verify_cost
-    from .targets.load import stop_token_ids
+    from .data.chat import stop_token_ids
 
     eos = stop_token_ids(model, tokenizer)
     is_tree = bool(getattr(proposer, "tree", False))

@@ -307,7 +307,7 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
     from .decoding.engine import SpecDecoder, aggregate
     from .decoding.proposers import NoDraft
     from .decoding.target import TargetRunner
-    from .targets.load import stop_token_ids
+    from .data.chat import stop_token_ids
 
     if not prompts:
         raise DraftTrainError("no evaluation prompts (data.num_eval rows of the evaluation set are empty?)")

@@ -400,7 +400,7 @@ def test_distill_checkpoint_and_save_round_trip(tmp_path, init, hidden):
 def test_every_stop_token_of_the_target_stays_in_the_eagle3_draft_vocabulary():
     """Llama-3 / Qwen3 list several end tokens in generation_config; the draft vocabulary keeps every one,
     even one the training answers never contain (else the drafter could never propose it)."""
-    from drafttrain.targets.load import stop_token_ids
+    from drafttrain.data.chat import stop_token_ids
     from drafttrain.training.eagle3 import Eagle3Method
 
     t = _target()

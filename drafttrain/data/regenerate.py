@@ -48,21 +48,11 @@ _CHECKED_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "model", 
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
-    """Stop tokens: the model's generation_config eos (int or list) plus the tokenizer's eos."""
-    ids: list[int] = []
-    gc = getattr(model, "generation_config", None)
-    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
-    for e in [eos] if isinstance(eos, int) else list(eos or []):
-        if e is not None and int(e) not in ids:
-            ids.append(int(e))
-    if tokenizer.eos_token_id is not None and int(tokenizer.eos_token_id) not in ids:
-        ids.append(int(tokenizer.eos_token_id))
-    if not ids:
-        raise DraftTrainError(
-            "the target has no eos token (neither tokenizer.eos_token nor generation_config.eos_token_id); "
-            "generation would never stop"
-        )
-    return ids
+    """Stop tokens: the model's generation_config eos (int or list) plus the tokenizer's eos; an error when
+    there is none (generation would never stop). The definition is ``targets.load.stop_token_ids``."""
+    from .chat import stop_token_ids
+
+    return stop_token_ids(model, tokenizer, required=True)
 
 
 def _pad_id(tokenizer, eos_ids: list[int]) -> int:

@@ -45,25 +45,6 @@ def resolve_target_path(target_cfg) -> str:
     return name
 
 
-def stop_token_ids(model, tokenizer, required: bool = False) -> list[int]:
-    """The tokens that end a generation: the model's ``generation_config.eos_token_id`` (an int or a list:
-    Llama-3 and Qwen3 list several) and the tokenizer's eos, without repeats, generation config first. The one
-    definition every consumer uses (decoding, regeneration, on-policy sampling, the draft vocabulary)."""
-    ids: list[int] = []
-    gc = getattr(model, "generation_config", None)
-    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
-    for e in [eos] if isinstance(eos, int) else list(eos or []):
-        if e is not None and int(e) not in ids:
-            ids.append(int(e))
-    tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    if tok_eos is not None and int(tok_eos) not in ids:
-        ids.append(int(tok_eos))
-    if required and not ids:
-        raise DraftTrainError("the target has no eos token (neither tokenizer.eos_token nor "
-                              "generation_config.eos_token_id); generation would never stop")
-    return ids
-
-
 def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..data.chat import stop_token_ids
 from ..data.packing import lm_inputs
 from ..drafters.draft_lm import build_draft_lm, on_policy_records, sample_on_policy
 from ..io import DraftTrainError, atomic_dir
 from ..losses import KD_KINDS, ce_loss, kd_loss, next_token_mask
-from ..targets.load import stop_token_ids
 
 DRAFTER_TYPE = "draft_lm"
 

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..data.chat import stop_token_ids
 from ..data.packing import lm_inputs
 from ..data.vocab import build_draft_vocab, count_assistant_tokens, default_draft_vocab_size
 from ..drafters.eagle3 import Eagle3Drafter
 from ..io import DraftTrainError
 from ..losses import (EAGLE3_LOSSES, Eagle3Teacher, combine_step_losses, eagle3_step_stats, eagle3_valid_mask,
                       step_weights, teacher_from_hidden, teacher_from_logits)
-from ..targets.load import num_layers, resolve_taps, stop_token_ids
+from ..targets.load import num_layers, resolve_taps
 
 
 @dataclass
