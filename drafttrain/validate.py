@@ -175,7 +175,7 @@ def _ascending(values, key: str) -> None:
 def check_grammar(spec: str, where: str = "decode.grammar") -> None:
     """Parse the grammar spec and compile its regex / JSON schema without a tokenizer (cheap), so a malformed
     one is reported, naming ``where``, before the target loads."""
-    from .structured.grammar import _xgr, parse_spec
+    from .structured.grammar import _xgr, parse_spec, xgrammar_message
 
     gspec = parse_spec(spec, where)
     if gspec.kind == "json":
@@ -187,9 +187,7 @@ def check_grammar(spec: str, where: str = "decode.grammar") -> None:
         else:
             xgr.Grammar.from_json_schema(gspec.schema_text)
     except (RuntimeError, ValueError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        msg = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", msg)
-        raise DraftTrainError(f"{where} ({gspec.describe()}): not a valid grammar: {msg}") from None
+        raise DraftTrainError(f"{where} ({gspec.describe()}): not a valid grammar: {xgrammar_message(e)}") from None
 
 
 # ----------------------------------------------------------------------------------------------- paths

@@ -233,6 +233,12 @@ class CompiledGrammar:
         return check_output(text, self.spec)
 
 
+def xgrammar_message(exc: BaseException) -> str:
+    """xgrammar's error as one line: it reports grammar errors as ``RuntimeError("[time] file:line: message")``."""
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", msg)
+
+
 def compile_grammar(
     spec: "str | dict | GrammarSpec",
     tokenizer,
@@ -266,10 +272,9 @@ def compile_grammar(
             compiled = compiler.compile_regex(gspec.regex)
         else:
             compiled = compiler.compile_json_schema(gspec.schema_text, any_whitespace=any_whitespace)
-    except RuntimeError as e:  # xgrammar reports grammar errors as RuntimeError("[time] file:line: message")
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        msg = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", msg)
-        raise DraftTrainError(f"{where} ({gspec.describe()}): xgrammar cannot compile it: {msg}") from None
+    except RuntimeError as e:
+        raise DraftTrainError(f"{where} ({gspec.describe()}): xgrammar cannot compile it: {xgrammar_message(e)}") \
+            from None
     return CompiledGrammar(gspec, int(vocab_size), stops, compiled, any_whitespace, blocked)
 
 

@@ -245,10 +245,7 @@ def load_checkpoint(path: Path, drafter, optimizer, scheduler) -> int:
     prepare, with :func:`load_weights` and :func:`load_optimizer_state`)."""
     path = Path(path)
     meta = read_checkpoint_meta(path)
-    state = load_weights(path)
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if not k.endswith("embed_tokens.weight")]:
-        raise DraftTrainError(f"{path}: weights do not match this drafter (missing {missing}, unexpected {unexpected})")
+    load_drafter_weights(path, drafter)
     if optimizer is not None:
         optimizer.load_state_dict(load_optimizer_state(path))
     scheduler.load_state_dict(meta["scheduler"])
@@ -260,6 +257,14 @@ def load_checkpoint(path: Path, drafter, optimizer, scheduler) -> int:
             torch.cuda.set_rng_state_all(states)
     random.setstate((3, tuple(meta["python_random"]), None))
     return int(meta["step"])
+
+
+def load_drafter_weights(path: Path, drafter) -> None:
+    """The checkpoint's weights into ``drafter``; only the frozen embedding (rebuilt from the target) may be
+    missing."""
+    missing, unexpected = drafter.load_state_dict(load_weights(path), strict=False)
+    if unexpected or [k for k in missing if not k.endswith("embed_tokens.weight")]:
+        raise DraftTrainError(f"{path}: weights do not match this drafter (missing {missing}, unexpected {unexpected})")
 
 
 def load_weights(path: Path) -> dict:
