@@ -286,7 +286,7 @@ def _setup(job):
             rec = read_json(Path(job.drafter) / "config.json").get("target_name_or_path") or None
         job.target.name_or_path = rec or "builtin"
     model, tokenizer, path = load_target(job.target)
-    prompts = eval_prompt_ids(tokenizer, eval_conversations(job.data), job.num_prompts)
+    prompts = eval_prompt_ids(tokenizer, eval_conversations(job.data, path), job.num_prompts)
     return model, tokenizer, path, target_id(path), prompts
 
 

@@ -72,6 +72,7 @@ def matching(default, pattern: str, allowed: str):
 TARGET_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 STORAGE_DTYPES = ("bfloat16", "float16", "float32")
 EAGLE3_LOSSES = ("ce", "tv", "lk_hybrid")  # drafttrain.losses.EAGLE3_LOSSES (a test keeps them equal)
+BUILTIN_KINDS = ("code", "docs")  # drafttrain.targets.builtin: the built-in targets
 TRAIN_METHODS = ("eagle3", "medusa", "medusa2", "distill")
 DECODE_METHODS = ("ar", "eagle3", "medusa", "draft_model", "pld", "oracle")
 CACHE_KINDS = ("auto", "static", "dynamic")
@@ -83,6 +84,10 @@ class BuiltinTargetConfig:
     """Size and training budget of the built-in target (drafttrain.targets.builtin); ``key()`` names its
     cache entry, so changing any field builds (and caches) another target."""
 
+    # code: a Llama on the stdlib sources (byte-level BPE, its own chat template); docs: a Qwen3 (q/k norms, tied
+    # embeddings, GQA) on the stdlib's documentation prose (Metaspace BPE with byte fallback, ChatML, two end
+    # tokens); ``target=builtin-docs`` selects it with its sizes
+    kind: str = one_of("code", *BUILTIN_KINDS)
     vocab_size: int = num(2048, ge=262)  # >= the 256 byte symbols + 6 chat specials
     hidden_size: int = num(192, ge=1)
     intermediate_size: int = num(512, ge=1)
@@ -101,7 +106,10 @@ class BuiltinTargetConfig:
     seed: int = num(0, ge=0)
 
     def key(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True) + sys.version.split()[0]
+        fields = dataclasses.asdict(self)
+        if fields["kind"] == "code":
+            del fields["kind"]  # the field came after the first builds: their cache entries keep their names
+        blob = json.dumps(fields, sort_keys=True) + sys.version.split()[0]
         return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
@@ -122,6 +130,8 @@ class DataConfig:
     # builtin | jsonl | structured (evaluation only: prompts that each carry a JSON schema; the built-in
     # function-call set from stdlib signatures, or data.path / data.eval_path = JSONL rows {"messages", "schema"})
     source: str = one_of("builtin", "builtin", "jsonl", "structured")
+    # builtin: which corpus's chats; auto = the built-in target's own (docs for target=builtin-docs), else code
+    corpus: str = one_of("auto", "auto", *BUILTIN_KINDS)
     path: Optional[str] = None  # jsonl: training conversations (ShareGPT or OpenAI shape)
     # jsonl: evaluation prompts (default: the last num_eval rows of path); the final assistant turn of a prompt
     # row may be empty or missing

@@ -595,8 +595,9 @@ def held_out_note(n: int, total: int, path) -> str:
             "data.eval_path=<file> evaluates on another file)")
 
 
-def eval_conversations(data_cfg) -> EvalSet:
-    """The evaluation set of ``data``: built-in held-out chats; a JSONL file's rows (``data.eval_path``: its
+def eval_conversations(data_cfg, target_path: str | None = None) -> EvalSet:
+    """The evaluation set of ``data``: built-in held-out chats (of the corpus ``data.corpus`` names; ``auto``:
+    the one the built-in target at ``target_path`` was trained on); a JSONL file's rows (``data.eval_path``: its
     first ``data.num_eval``; else the last ``data.num_eval`` rows of ``data.path``, the rows training holds
     out; ``data.num_eval=0``: every row); or structured rows. Prompt files may leave the final assistant turn
     empty or out."""
@@ -604,12 +605,14 @@ def eval_conversations(data_cfg) -> EvalSet:
 
     n = int(data_cfg.num_eval)
     if data_cfg.source == "builtin":
-        from .data.builtin import builtin_conversations
+        from .data.builtin import builtin_conversations, corpus_of
 
         if n == 0:
             raise DraftTrainError("data.num_eval=0 (every row) needs a prompt file (data=<file>.jsonl); the "
                                   "built-in set needs a count")
-        return EvalSet(builtin_conversations("eval", n, data_cfg.seed), f"{n} built-in held-out chats")
+        corpus = corpus_of(getattr(data_cfg, "corpus", "auto"), target_path)
+        return EvalSet(builtin_conversations("eval", n, data_cfg.seed, corpus),
+                       f"{n} built-in held-out {corpus} chats")
     if data_cfg.source == "jsonl":
         if data_cfg.eval_path:
             rows = read_conversations(data_cfg.eval_path, skip_invalid=data_cfg.skip_invalid, prompts_only=True)
@@ -694,7 +697,7 @@ def run_eval(cfg) -> dict:
                 f"drafter vocabulary ({dvocab}) differs from the target's "
                 f"({model.get_output_embeddings().weight.shape[0]})"
             )
-    convs = eval_conversations(job.data)
+    convs = eval_conversations(job.data, tname)
     if drafter is None and job.decode.method in ("eagle3", "medusa"):
         raise DraftTrainError(f"decode.method={job.decode.method} needs drafter=<saved drafter directory>")
     if drafter is not None:

@@ -188,7 +188,7 @@ def medusa2_drift(final: Path, num_prompts: int, max_new_tokens: int, threads: i
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from drafttrain.data.builtin import builtin_conversations
+    from drafttrain.data.builtin import builtin_conversations, corpus_of
     from drafttrain.eval import eval_prompt_ids
     from drafttrain.io import read_json
     from drafttrain.training.medusa import load_medusa
@@ -196,7 +196,8 @@ def medusa2_drift(final: Path, num_prompts: int, max_new_tokens: int, threads: i
     torch.set_num_threads(threads)
     target = read_json(final / "config.json")["target_name_or_path"]
     tok = AutoTokenizer.from_pretrained(target)
-    prompts = eval_prompt_ids(tok, builtin_conversations("eval", num_prompts, 0), num_prompts)
+    prompts = eval_prompt_ids(tok, builtin_conversations("eval", num_prompts, 0, corpus_of("auto", target)),
+                              num_prompts)
 
     def outputs(model):
         res = []

@@ -1,8 +1,16 @@
-"""The built-in target: a small Llama-architecture causal LM and BPE tokenizer, trained offline.
+"""The built-in targets: small causal LMs and their tokenizers, trained offline by the toolkit itself.
 
-Trained by the toolkit itself, deterministically (seeded), on the Python standard library sources of the
-running interpreter (the ``target`` split; see :mod:`drafttrain.data.stdlib`), in chat form (user: a function
-signature and docstring, assistant: its body; loss on the assistant span only) mixed with plain source text.
+Two kinds (``target.builtin.kind``), trained deterministically (seeded) on corpora of the running interpreter,
+in chat form (loss on the assistant span only) mixed with plain text:
+
+- ``code`` (``target=builtin``, the default): a Llama with a byte-level BPE tokenizer and its own chat
+  template, on the Python standard library sources (the ``target`` split of :mod:`drafttrain.data.stdlib`;
+  user: a function's signature and docstring, assistant: its body).
+- ``docs`` (``target=builtin-docs``): a Qwen3 (q/k RMSNorm, tied embeddings, grouped-query attention,
+  rope_theta 1e6) with a SentencePiece-style tokenizer (Metaspace pre-tokenizer, BPE with byte fallback) and
+  ChatML with two end tokens (``<|im_end|>``, ``<|endoftext|>``), on documentation prose (the ``target``
+  split of :mod:`drafttrain.data.docs`; user: a question about a documented name, assistant: its docs).
+
 Saved with ``save_pretrained`` (safetensors) and loadable with ``AutoModelForCausalLM``/``AutoTokenizer``.
 Cached under ``$DRAFTTRAIN_CACHE`` (default ``~/.cache/drafttrain``); ``$DRAFTTRAIN_BUILTIN_TARGET`` points
 at an existing build instead.
@@ -40,6 +48,21 @@ CHAT_TEMPLATE = (
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+# ChatML, as Qwen and many others write it; no BOS. The assistant's "{content}<|im_end|>" is the generation span.
+CHATML_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] }}{{ '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 
@@ -106,6 +129,32 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     )
 
 
+def train_metaspace_tokenizer(texts: list[str], vocab_size: int):
+    """SentencePiece-style BPE (``▁`` for spaces, byte fallback for what the vocabulary lacks, newlines kept
+    apart) trained on ``texts``, with ChatML; eos ``<|im_end|>``, pad ``<|endoftext|>``, no BOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split("\n", "isolated"),  # a newline never merges with the word after it
+        pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never"),
+    ])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML_SPECIAL_TOKENS + byte_tokens,
+                                  initial_alphabet=[], show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=1_000_000,
+        clean_up_tokenization_spaces=False,
+    )
+
+
 def _example_stream(tokenizer, chats, texts, spec: BuiltinSpec, rng: random.Random):
     """Endless (input_ids, labels) sequences of exactly seq_len tokens: chats (assistant-only labels) and text."""
     T = spec.seq_len
@@ -122,7 +171,8 @@ def _example_stream(tokenizer, chats, texts, spec: BuiltinSpec, rng: random.Rand
             text = rng.choice(texts)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             start = rng.randrange(max(1, len(ids) - T + 1))
-            ids = ([tokenizer.bos_token_id] + ids[start : start + T - 1]) if start == 0 else ids[start : start + T]
+            bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+            ids = (bos + ids[start : start + T - len(bos)]) if start == 0 else ids[start : start + T]
             pad = T - len(ids)
             yield ids + [tokenizer.pad_token_id] * pad, ids + [-100] * pad
 
@@ -133,40 +183,54 @@ def _batches(stream, batch_size):
         yield torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
 
 
-def build_builtin_target(out_dir: Path, spec: BuiltinSpec, quiet: bool = False) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _corpus(spec: BuiltinSpec):
+    """(train texts, train chats, eval texts, eval chats) of the spec's kind."""
+    from ..data import docs, stdlib
 
-    from ..data import stdlib
-
-    t0 = time.time()
-    torch.manual_seed(spec.seed)
-    rng = random.Random(spec.seed)
-    texts = stdlib.plain_texts("target")
-    chats = stdlib.code_chats("target")
-    eval_texts = stdlib.plain_texts("eval")
-    eval_chats = stdlib.code_chats("eval")
+    corpus = docs if spec.kind == "docs" else stdlib
+    chats_of = docs.doc_chats if spec.kind == "docs" else stdlib.code_chats
+    texts, chats = corpus.plain_texts("target"), chats_of("target")
+    eval_texts, eval_chats = corpus.plain_texts("eval"), chats_of("eval")
     if spec.max_files:
         texts, eval_texts = texts[: spec.max_files], eval_texts[: max(1, spec.max_files // 4)]
         chats, eval_chats = chats[: 20 * spec.max_files], eval_chats[: 5 * spec.max_files]
     if not texts or not chats:
-        raise DraftTrainError(f"no Python sources found under {stdlib.stdlib_root()}")
-    tokenizer = train_tokenizer(texts, spec.vocab_size)
-    V = len(tokenizer)
-    config = LlamaConfig(
-        vocab_size=V,
+        raise DraftTrainError(f"no {spec.kind} corpus found under {stdlib.stdlib_root()}")
+    return texts, chats, eval_texts, eval_chats
+
+
+def _model_config(spec: BuiltinSpec, tokenizer):
+    """The architecture of the spec's kind: Llama (code) or Qwen3 (docs), sized by the spec."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = LlamaForCausalLM(config)
+    if spec.kind == "docs":
+        return Qwen3Config(**common, head_dim=spec.hidden_size // spec.num_heads, rope_theta=1e6,
+                           tie_word_embeddings=True)
+    return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def build_builtin_target(out_dir: Path, spec: BuiltinSpec, quiet: bool = False) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    t0 = time.time()
+    torch.manual_seed(spec.seed)
+    rng = random.Random(spec.seed)
+    texts, chats, eval_texts, eval_chats = _corpus(spec)
+    tokenizer = (train_metaspace_tokenizer if spec.kind == "docs" else train_tokenizer)(texts, spec.vocab_size)
+    config = _model_config(spec, tokenizer)
+    model = AutoModelForCausalLM.from_config(config)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -217,7 +281,10 @@ def build_builtin_target(out_dir: Path, spec: BuiltinSpec, quiet: bool = False) 
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if model.generation_config is not None:
+        if spec.kind == "docs":  # two end tokens, as Qwen3's generation config has
+            ends = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+            GenerationConfig(eos_token_id=ends, pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
+        elif model.generation_config is not None:
             model.generation_config.save_pretrained(tmp)
         write_json(tmp / "drafttrain_builtin.json", info)
     if not quiet:

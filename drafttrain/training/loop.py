@@ -109,15 +109,16 @@ def load_training_data(job, model, tokenizer, target_name: str, run_dir: Path):
 
     d = job.data
     if d.source == "builtin":
-        from ..data.builtin import builtin_dataset
+        from ..data.builtin import builtin_dataset, corpus_of
         from ..targets.builtin import cache_root
 
+        corpus = corpus_of(d.corpus, target_name)
         train_convs, eval_convs = builtin_dataset(
             model, tokenizer, target_id=target_name, num_train=d.num_train, num_eval=d.num_eval,
             max_new_tokens=d.regen_max_new_tokens, regenerate=d.regenerate, temperature=d.regen_temperature,
-            batch_size=d.regen_batch_size, cache_dir=cache_root() / "data", seed=d.seed,
+            batch_size=d.regen_batch_size, cache_dir=cache_root() / "data", seed=d.seed, corpus=corpus,
         )
-        eval_convs = EvalSet(eval_convs, f"{len(eval_convs)} built-in held-out chats")
+        eval_convs = EvalSet(eval_convs, f"{len(eval_convs)} built-in held-out {corpus} chats")
     elif d.source == "jsonl":
         if not d.path:
             raise DraftTrainError("data.path is required with data=jsonl")
@@ -664,7 +665,7 @@ def _offline_data(job, tname: str):
     examples = store.examples()
     stats = {"rows": len(examples), "tokens": store.num_tokens, "offline_features": str(c.path),
              "trainable_tokens": sum(sum(ex["loss_mask"]) for ex in examples)}
-    return store, examples, eval_conversations(job.data), stats
+    return store, examples, eval_conversations(job.data, tname), stats
 
 
 def check_offline(job) -> None:
