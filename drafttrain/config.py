@@ -159,6 +159,9 @@ class Eagle3Config:
     tap_layers: Optional[List[int]] = num(None, ge=0)  # HF hidden_states indices; default (2, L//2, L-3)
     draft_vocab_size: Optional[int] = num(None, ge=1)  # default min(32000, V//2)
     ttt_steps: int = num(7, ge=1)
+    # TTT curriculum: over the first N optimizer steps the unrolled depth grows from 1 to ttt_steps (0: the
+    # full depth from the first step)
+    ttt_curriculum: int = num(0, ge=0)
     step_decay: float = num(0.8, gt=0, le=1)
     # ce (soft cross-entropy, EAGLE-3's) | tv (total variation = 1 - acceptance) | lk_hybrid
     loss: str = one_of("ce", *EAGLE3_LOSSES)

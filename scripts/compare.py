@@ -48,6 +48,8 @@ METHODS = {
     "eagle3_qk": ("eagle3", ["eagle3.qk_norm=true"], "EAGLE-3, Qwen3-style draft layer (q/k norm)"),
     "eagle3_lr3e3": ("eagle3", ["train.lr=3e-3"], "EAGLE-3, learning rate 3e-3 (recipe: 1e-3)"),
     "eagle3_ttt3": ("eagle3", ["eagle3.ttt_steps=3"], "EAGLE-3, TTT 3 steps (recipe: 7)"),
+    "eagle3_curr": ("eagle3", ["eagle3.ttt_curriculum=50"],
+                    "EAGLE-3, TTT curriculum (unrolled depth 1 -> 7 over the first 50 steps)"),
     "eagle3_v31_lr3e3": ("eagle3", ["eagle3.fc_norm=true", "eagle3.norm_output=true", "train.lr=3e-3"],
                          "EAGLE-3.1, learning rate 3e-3"),
     "eagle3_v31_init": ("eagle3", ["eagle3.fc_norm=true", "eagle3.norm_output=true", "eagle3.init_layer=-1"],

@@ -43,6 +43,14 @@ def compact_teacher(target_model, hidden: torch.Tensor, d2t: torch.Tensor) -> Ea
                                softcap=_softcap(target_model))
 
 
+def ttt_depth(step: int, ttt_steps: int, curriculum: int) -> int:
+    """TTT steps unrolled at optimizer step ``step``: 1 at step 0, growing linearly to ``ttt_steps`` at step
+    ``curriculum`` (and after); ``ttt_steps`` throughout with ``curriculum=0``."""
+    if curriculum <= 0:
+        return ttt_steps
+    return max(1, min(ttt_steps, 1 + (step * ttt_steps) // curriculum))
+
+
 class Eagle3Method:
     name = "eagle3"
 
@@ -53,6 +61,8 @@ class Eagle3Method:
         if self.ttt_steps < 1:
             raise DraftTrainError(f"eagle3.ttt_steps={self.ttt_steps}: must be >= 1")
         self.weights = step_weights(self.ttt_steps, cfg.step_decay)
+        self.curriculum = int(getattr(cfg, "ttt_curriculum", 0))
+        self.depth = ttt_depth(0, self.ttt_steps, self.curriculum)  # steps unrolled now (begin_step updates it)
         # every stop token stays in the draft vocabulary (Llama-3 / Qwen3 list several; a rare one would
         # otherwise fall out and the drafter could never propose the end of an answer)
         self.eos_ids = stop_token_ids(target_model, tokenizer)
@@ -124,6 +134,10 @@ class Eagle3Method:
             d2t = torch.zeros(target_model.get_output_embeddings().weight.shape[0], dtype=torch.long)
         return d2t
 
+    def begin_step(self, step: int) -> None:
+        """Called by the loop before each optimizer step: the TTT curriculum's depth for it."""
+        self.depth = ttt_depth(step, self.ttt_steps, self.curriculum)
+
     def valid_masks(self, drafter, batch, cap: Capture) -> list[torch.Tensor]:
         T = batch["input_ids"].shape[1]
         return [
@@ -149,15 +163,18 @@ class Eagle3Method:
             return eagle3_step_stats(logits.float(), cap.teacher, masks[i], drafter.d2t, drafter.t2d, i,
                                      loss=self.loss_kind)
 
+        d = self.depth
         per_step = model(batch["input_ids"], cap.taps.to(next(drafter.parameters()).dtype),
-                         batch["attention_mask"], self.ttt_steps, position_ids=batch.get("position_ids"),
+                         batch["attention_mask"], d, position_ids=batch.get("position_ids"),
                          doc_ids=batch.get("doc_ids"), step_loss=step_loss, checkpoint_head=self.checkpoint_head)
         sums, stats = [], {}
-        for i, s in enumerate(per_step):
-            sums.append(s["loss_sum"])
+        for i in range(self.ttt_steps):  # steps the curriculum has not reached yet: zeros (same keys every step)
+            s = per_step[i] if i < d else None
+            if s is not None:
+                sums.append(s["loss_sum"])
             for k in ("loss_sum", "acc_sum", "accept_sum", "count"):
-                stats[f"{k}_{i}"] = torch.as_tensor(s[k]).detach().float()
-        loss = combine_step_losses(sums, list(global_counts), self.weights) * scale
+                stats[f"{k}_{i}"] = torch.as_tensor(s[k]).detach().float() if s is not None else torch.zeros(())
+        loss = combine_step_losses(sums, list(global_counts)[:d], self.weights[:d]) * scale
         return loss, stats
 
     def summarize(self, stats: dict) -> dict:

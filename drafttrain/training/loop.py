@@ -269,6 +269,8 @@ def run_train(cfg) -> dict | None:
         real_before = cells[1]
         mb_idx = batching.micro_batches(len(examples), plan, step, tc.seed, rank)
         rows = [[examples[i] for i in idx] for idx in mb_idx]
+        if hasattr(method, "begin_step"):  # e.g. EAGLE-3's TTT curriculum sets this step's unrolled depth
+            method.begin_step(step)
         if hasattr(method, "transform_examples"):  # e.g. on-policy rows sampled by the draft itself
             rows = method.transform_examples(drafter, rows, step, rank)
         mbs = [collate_packed(r, pad_id, job.data.max_length) if tc.packing else collate(r, pad_id) for r in rows]
