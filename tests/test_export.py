@@ -224,7 +224,7 @@ def test_exported_medusa_reproduces_tau_and_outputs(env, medusa_dir):
 
 
 def test_medusa2_exports_heads_and_adapter(env, medusa_dir, tmp_path):
-    from drafttrain.drafters.medusa import add_lora, save_lora
+    from drafttrain.lora import add_lora, save_lora
     from drafttrain.targets.load import load_target
     from drafttrain.config import TargetConfig
 

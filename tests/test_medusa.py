@@ -5,16 +5,11 @@ import pytest
 import torch
 import transformers as tf
 
-from drafttrain.drafters.medusa import (
-    MedusaHeads,
-    add_lora,
-    final_hidden,
-    load_lora,
-    save_lora,
-    self_distillation_kl,
-)
+from drafttrain.drafters.medusa import MedusaHeads, final_hidden
 from drafttrain.io import DraftTrainError, load_tensors
+from drafttrain.lora import add_lora, load_lora, save_lora
 from drafttrain.losses import kd_fkl, medusa_head_weights, medusa_loss, medusa_valid_mask
+from drafttrain.training.medusa import self_distillation_kl
 
 V, H, L = 96, 32, 8
 COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,

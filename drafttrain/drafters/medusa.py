@@ -1,4 +1,4 @@
-"""Medusa-1/2 heads (FasterDecoding/Medusa; vLLM's on-disk format) and the Medusa-2 LoRA helpers.
+"""Medusa-1/2 heads (FasterDecoding/Medusa; vLLM's on-disk format).
 
 Head k (0-based) reads the target's final hidden state h_t -- the *post-norm* hidden that feeds the target's
 ``lm_head`` -- and predicts x_{t+2+k}: ``logits_k = lm_heads[k](blocks[k](h_t))`` where every block layer is
@@ -18,30 +18,24 @@ vLLM's (``model_type: medusa``, ``architectures: [MedusaModel]``, ``medusa_fc_bi
 ``num_layers`` to ``num_hidden_layers``). ``medusa_fc_bias`` must be true when the bias tensors are
 present: vLLM's loader silently skips names it has no parameter for.
 
-Medusa-2 (joint training, axolotl ``medusa_utils.py``): LoRA adapters on the target (:func:`add_lora`) and,
-with self-distillation, the LM loss is ``KL(p_base || p_adapted)`` with ``p_base`` the same model with its
-adapters disabled (:func:`self_distillation_kl`).
+Medusa-2 (joint training, axolotl ``medusa_utils.py``) uses the same heads on a LoRA-adapted target: the
+adapters are in drafttrain/lora.py, the method and its self-distillation loss in drafttrain/training/medusa.py.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_tensors, read_drafter_config, save_tensors, write_json)
-from drafttrain.losses import kd_loss, next_token_mask
 
 __all__ = [
     "MedusaHeads",
     "final_hidden",
-    "add_lora",
-    "self_distillation_kl",
-    "save_lora",
-    "load_lora",
     "CONFIG_NAME",
     "WEIGHTS_NAME",
 ]
@@ -197,58 +191,3 @@ def final_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     if hidden.shape[:2] != out.logits.shape[:2]:
         raise DraftTrainError("medusa: the LM head saw a sliced hidden state (logits_to_keep?)")
     return hidden, out.logits
-
-
-# ------------------------------------------------------------------------------------------- Medusa-2
-def add_lora(target_model: nn.Module, r: int = 32, alpha: int = 16, dropout: float = 0.05,
-             target_modules: str | Sequence[str] | None = "all-linear"):
-    """Wrap the target in LoRA adapters (``peft.get_peft_model``, task ``CAUSAL_LM``); the base weights are
-    frozen. Defaults = the Medusa-2 Vicuna-7B recipe (r 32, alpha 16, dropout 0.05, all linear layers except
-    the LM head). Note that peft injects the adapters into ``target_model`` in place."""
-    from peft import LoraConfig, TaskType, get_peft_model
-
-    if isinstance(target_modules, (list, tuple)):
-        target_modules = list(target_modules)
-    cfg = LoraConfig(r=int(r), lora_alpha=int(alpha), lora_dropout=float(dropout), target_modules=target_modules,
-                     task_type=TaskType.CAUSAL_LM, bias="none")
-    return get_peft_model(target_model, cfg)
-
-
-def self_distillation_kl(
-    peft_model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    loss_mask: torch.Tensor,
-    adapted_logits: torch.Tensor | None = None,
-    temperature: float = 1.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Medusa-2 self-distillation LM loss ``KL(p_base || p_adapted)``, averaged over the positions of
-    :func:`drafttrain.losses.next_token_mask`.
-
-    ``p_base`` is the same model with its adapters disabled (``peft_model.disable_adapter()`` under
-    ``no_grad``); ``p_adapted`` is the normal forward (pass ``adapted_logits`` when the caller already ran
-    it, e.g. via :func:`final_hidden` to feed the heads too). Zero while the adapters are at their init
-    (LoRA B = 0). Returns ``(loss, stats)`` with the stats of :func:`drafttrain.losses.kd_loss`.
-    """
-    with torch.no_grad(), peft_model.disable_adapter():
-        base = peft_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    if adapted_logits is None:
-        adapted_logits = peft_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    mask = next_token_mask(attention_mask, loss_mask)
-    return kd_loss(adapted_logits, base, mask, kind="fkl", temperature=temperature)
-
-
-def save_lora(peft_model: nn.Module, directory: str | os.PathLike, overwrite: bool = True) -> None:
-    """peft's ``save_pretrained`` (``adapter_config.json`` + ``adapter_model.safetensors``), atomically."""
-    with atomic_dir(directory, overwrite=overwrite) as tmp:
-        peft_model.save_pretrained(str(tmp), safe_serialization=True)
-
-
-def load_lora(target_model: nn.Module, directory: str | os.PathLike, is_trainable: bool = False):
-    """``PeftModel.from_pretrained(target_model, directory)`` (adapters injected into ``target_model``)."""
-    from peft import PeftModel
-
-    directory = Path(directory)
-    if not (directory / "adapter_config.json").exists():
-        raise DraftTrainError(f"{directory}: no adapter_config.json (not a peft adapter directory)")
-    return PeftModel.from_pretrained(target_model, str(directory), is_trainable=is_trainable)

@@ -148,12 +148,11 @@ class DistillMethod:
             emb.weight.requires_grad_(False)
         lm.train()
         if c.use_lora:
-            from ..drafters.medusa import add_lora
+            from ..lora import add_lora, lora_target_modules
 
-            mods = list(c.lora.target_modules)
             try:
                 lm = add_lora(lm, r=c.lora.r, alpha=c.lora.alpha, dropout=c.lora.dropout,
-                              target_modules="all-linear" if mods == ["all-linear"] else mods)
+                              target_modules=lora_target_modules(c.lora.target_modules))
             except ValueError as e:
                 raise DraftTrainError(f"distill.lora: {e}".splitlines()[0]) from None
         return DraftLM(lm, self.tokenizer, target_name, lora=bool(c.use_lora))

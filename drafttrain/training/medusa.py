@@ -35,8 +35,9 @@ from torch import nn
 
 from ..data.packing import lm_inputs
 from ..decoding.tree import medusa_choices_from_accuracy
-from ..drafters.medusa import MedusaHeads, add_lora, final_hidden, load_lora
+from ..drafters.medusa import MedusaHeads, final_hidden
 from ..io import DraftTrainError, atomic_dir, read_json, save_tensors, write_json
+from ..lora import add_lora, load_lora, lora_target_modules
 from ..losses import (combine_step_losses, kd_loss, medusa_head_stats, medusa_head_weights, medusa_valid_mask,
                       next_token_mask)
 
@@ -125,9 +126,30 @@ class MedusaTrainable(nn.Module):
             })
 
 
-def _lora_targets(modules):
-    mods = list(modules)
-    return "all-linear" if mods == ["all-linear"] else mods
+def self_distillation_kl(
+    peft_model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    adapted_logits: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Medusa-2 self-distillation LM loss ``KL(p_base || p_adapted)``, averaged over the positions of
+    :func:`drafttrain.losses.next_token_mask`.
+
+    ``p_base`` is the same model with its adapters disabled (``peft_model.disable_adapter()`` under
+    ``no_grad``); ``p_adapted`` is the normal forward (pass ``adapted_logits`` when the caller already ran
+    it, e.g. via :func:`drafttrain.drafters.medusa.final_hidden` to feed the heads too). Zero while the
+    adapters are at their init (LoRA B = 0). Returns ``(loss, stats)`` with the stats of
+    :func:`drafttrain.losses.kd_loss`. (The training loop computes the same loss in two halves:
+    ``MedusaMethod.capture`` runs ``p_base``, ``MedusaMethod.loss`` the KL.)
+    """
+    with torch.no_grad(), peft_model.disable_adapter():
+        base = peft_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    if adapted_logits is None:
+        adapted_logits = peft_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    mask = next_token_mask(attention_mask, loss_mask)
+    return kd_loss(adapted_logits, base, mask, kind="fkl", temperature=temperature)
 
 
 @dataclass
@@ -177,7 +199,7 @@ class MedusaMethod:
             return MedusaTrainable(heads)
         try:
             self.peft = add_lora(target_model, r=c.lora.r, alpha=c.lora.alpha, dropout=c.lora.dropout,
-                                 target_modules=_lora_targets(c.lora.target_modules))
+                                 target_modules=lora_target_modules(c.lora.target_modules))
         except ValueError as e:
             raise DraftTrainError(f"medusa.lora: {e}".splitlines()[0]) from None
         self.peft.train()  # LoRA dropout; the base model has no other dropout at its defaults
