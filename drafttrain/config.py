@@ -290,6 +290,10 @@ class DecodeConfig:
     temperature: float = num(0.0, ge=0)  # 0: greedy
     top_k: int = num(0, ge=0)  # 0: no top-k cut
     top_p: float = num(1.0, gt=0, le=1)
+    # when sampling: the temperature the drafter samples its chain drafts at (null: decode.temperature; 0: its
+    # argmax). Lossless at any value (verification uses the distribution the drafts came from); a sharper
+    # draft can raise acceptance when the drafter is flatter than the target
+    draft_temperature: Optional[float] = num(None, ge=0)
     max_new_tokens: int = num(96, ge=1)
     num_prompts: int = num(0, ge=0)  # prompts decoded, of the data.num_eval evaluation set (0: all of them)
     seed: int = num(0, ge=0)

@@ -328,7 +328,8 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
     typical = bool(decode.typical_acceptance)
     ar = SpecDecoder(ar_runner, NoDraft(), 0, seed=decode.seed, **kw)
     spec = SpecDecoder(sp_runner, proposer, K, seed=decode.seed, typical=typical,
-                       typical_epsilon=decode.typical_epsilon, typical_delta=decode.typical_delta, **kw)
+                       typical_epsilon=decode.typical_epsilon, typical_delta=decode.typical_delta,
+                       draft_temperature=decode.draft_temperature, **kw)
     is_oracle = method == "oracle"
     if hasattr(proposer, "agree_fn"):  # the oracle tree's wrong siblings must be real token ids
         proposer.vocab_size = sp_runner.vocab_size
@@ -399,7 +400,8 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
             if saved_num_tokens is not None:  # prompt lookup caps its drafts at num_tokens
                 proposer.num_tokens = k
             dec = SpecDecoder(sp_runner, proposer, k, seed=decode.seed, typical=typical,
-                              typical_epsilon=decode.typical_epsilon, typical_delta=decode.typical_delta, **kw)
+                              typical_epsilon=decode.typical_epsilon, typical_delta=decode.typical_delta,
+                              draft_temperature=decode.draft_temperature, **kw)
             res = []
             for i, p in enumerate(prompts[:m]):
                 res.append(run_spec(dec, i, p, refs[i]))

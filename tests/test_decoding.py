@@ -548,11 +548,12 @@ def _chi2(counts, law):
     return float(stats.chisquare(obs_b, exp_b).pvalue)
 
 
-def _toy_counts(proposer, T, k, p, n, seed):
+def _toy_counts(proposer, T, k, p, n, seed, draft_temperature=None):
     """Generate ``n`` times TOY_NEW tokens; return the counts ``[V]*4``, the exact law and the acceptance rate."""
     target = ToyLM(TOY_V, seed=1)
     runner = TargetRunner(target, taps=(0, 1, 1))
-    dec = SpecDecoder(runner, proposer, 2, temperature=T, top_k=k, top_p=p, seed=seed)
+    dec = SpecDecoder(runner, proposer, 2, temperature=T, top_k=k, top_p=p, seed=seed,
+                      draft_temperature=draft_temperature)
     counts = np.zeros((TOY_V,) * TOY_NEW)
     drafted = accepted = 0
     for _ in range(n):
@@ -593,6 +594,22 @@ def test_speculative_sampling_preserves_target_distribution(name, T, k, p):
     counts, law, alpha = _toy_counts(_toy_proposer(name), T, k, p, n=TOY_N if name != "eagle3" else 600, seed=100)
     assert 0.05 < alpha < 0.95  # drafts are neither always right nor always wrong: both paths are exercised
     assert min(_check_law(counts, law)) > 1e-3
+
+
+@pytest.mark.parametrize("name,T,k,p,dt", [
+    ("draft_model", 1.0, 0, 1.0, 0.5),
+    ("draft_model", 0.7, 0, 0.9, 0.0),  # argmax drafts (one-hot q) under a sampling target
+    ("eagle3", 1.0, 4, 1.0, 0.6),
+])
+def test_draft_temperature_keeps_the_target_distribution(name, T, k, p, dt):
+    """``decode.draft_temperature``: drafts sampled at another temperature than the target's are still
+    verified against the q they came from, so the output law is the target's; the acceptance rate moves."""
+    n = TOY_N if name != "eagle3" else 600
+    counts, law, alpha = _toy_counts(_toy_proposer(name), T, k, p, n=n, seed=101, draft_temperature=dt)
+    assert 0.05 < alpha < 0.95
+    assert min(_check_law(counts, law)) > 1e-3
+    _, _, alpha_same = _toy_counts(_toy_proposer(name), T, k, p, n=200, seed=101)
+    assert abs(alpha - alpha_same) > 0.02  # the drafts really came from another distribution
 
 
 def test_distribution_check_has_power(monkeypatch):

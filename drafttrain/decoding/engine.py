@@ -88,6 +88,9 @@ class SpecDecoder:
         seed: seeds the decoder's ``torch.Generator`` (drafts and verification share it).
         typical, typical_epsilon, typical_delta: Medusa's typical acceptance instead of rejection sampling
             (LOSSY; sampling only; greedy decoding ignores it).
+        draft_temperature: when the target samples, the temperature a stochastic proposer drafts at (its
+            top-k / top-p are the target's); ``None``: the target's. 0 drafts the argmax (one-hot q). Lossless at
+            any value: verification uses the q the drafts were sampled from. Greedy decoding ignores it.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class SpecDecoder:
         typical: bool = False,
         typical_epsilon: float = 0.09,
         typical_delta: float = 0.3,
+        draft_temperature: float | None = None,
     ):
         if num_draft_tokens < 0:
             raise DraftTrainError(f"decode.num_draft_tokens={num_draft_tokens}: must be >= 0")
@@ -117,6 +121,10 @@ class SpecDecoder:
         self.generator = torch.Generator(device=target.device)
         self.generator.manual_seed(seed)
         self.sampling = SamplingParams(float(temperature), int(top_k), float(top_p), self.generator)
+        if draft_temperature is not None and draft_temperature < 0:
+            raise DraftTrainError(f"decode.draft_temperature={draft_temperature}: must be >= 0")
+        self.draft_sampling = self.sampling if draft_temperature is None or self.sampling.greedy else \
+            SamplingParams(float(draft_temperature), int(top_k), float(top_p), self.generator)
         self.tree = bool(getattr(proposer, "tree", False))
         self.typical = bool(typical) and not self.sampling.greedy
         self.typical_epsilon, self.typical_delta = float(typical_epsilon), float(typical_delta)
@@ -211,7 +219,7 @@ class SpecDecoder:
                 if not done and len(new) < max_new_tokens:
                     self._timed(proposer.accept, tokens, a, taps)
                 continue
-            drafts, q = self._timed(proposer.propose, tokens, k, sp, **gkw) if k > 0 else ([], None)
+            drafts, q = self._timed(proposer.propose, tokens, k, self.draft_sampling, **gkw) if k > 0 else ([], None)
             # drafts may be a device tensor: they stay on the device until the round's one host sync
             if isinstance(drafts, torch.Tensor):
                 d = drafts.reshape(-1)[:k].to(device=target.device, dtype=torch.long)
