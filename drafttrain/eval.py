@@ -16,13 +16,6 @@ import torch
 
 from .io import DraftTrainError, read_json, write_json
 
-REPORT_KEYS = (
-    "method", "target", "drafter", "prompts", "new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p",
-    "alpha", "acceptance_per_position", "tau", "tokens_per_s", "baseline_tokens_per_s", "speedup",
-    "speedup_min", "speedup_median", "speedup_max", "baseline_spread", "outputs_match_baseline",
-    "train_estimated_tau",
-)
-
 
 def medusa_choices_for(drafter, decode):
     """The static Medusa tree to decode with: ``decode.tree.medusa_choices`` if given; else one chosen for

@@ -127,11 +127,6 @@ def torch_load_safe(path: str | os.PathLike) -> Any:
     return torch.load(str(path), map_location="cpu", weights_only=True)
 
 
-def torch_save_atomic(obj: Any, path: str | os.PathLike) -> None:
-    with atomic_path(path) as tmp:
-        torch.save(obj, str(tmp))
-
-
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
     """Build a directory under a temporary name, then swap it in as ``path``.

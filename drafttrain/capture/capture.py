@@ -241,26 +241,6 @@ def run_capture(model, examples: list[dict], out_dir: str | Path, *, method: str
     return stats
 
 
-@torch.no_grad()
-def forward_throughput(model, examples: list[dict], batch_size: int, pad_id: int = 0) -> dict:
-    """Plain target forward (``model(input_ids, attention_mask)``, logits included) over the same tokens and
-    batches as a capture: the baseline for the capture's throughput."""
-    from ..data.chat import collate
-
-    device = next(model.parameters()).device
-    lengths = [len(ex["input_ids"]) for ex in examples]
-    tokens, seconds = 0, 0.0
-    for idx in _length_batches(range(len(examples)), lengths, batch_size):
-        mb = {k: v.to(device) for k, v in collate([examples[i] for i in idx], pad_id).items()}
-        _sync(device)
-        t = time.time()
-        model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False)
-        _sync(device)
-        seconds += time.time() - t
-        tokens += sum(lengths[i] for i in idx)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None}
-
-
 def run_capture_job(cfg) -> dict:
     """``drafttrain capture``: the target and data of a training job, written to ``capture.path``."""
     from accelerate import PartialState

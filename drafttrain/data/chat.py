@@ -35,7 +35,6 @@ __all__ = [
     "Conversation",
     "Conversations",
     "read_conversations",
-    "conversations_dataset",
     "parse_row",
     "tokenize_conversation",
     "tokenize_conversations",
@@ -259,11 +258,6 @@ def _to_dataset(convs: Sequence[Conversation]):
     finally:
         if not bars_were_off:
             enable_progress_bars()
-
-
-def conversations_dataset(path: str | Path, skip_invalid: bool = False):
-    """The validated conversations of a JSONL file as a ``datasets.Dataset`` (see :func:`read_conversations`)."""
-    return _to_dataset(read_conversations(path, skip_invalid=skip_invalid))
 
 
 def read_conversations(path: str | Path, skip_invalid: bool = False, prompts_only: bool = False) -> Conversations:
