@@ -18,7 +18,6 @@ from .grammar import (
     compile_grammar,
     decode_output,
     parse_spec,
-    tokenizer_info,
     unpack_bitmask,
 )
 from .plan import UNCONSTRAINED, GrammarPlan, grammar_plan
@@ -40,7 +39,6 @@ __all__ = [
     "grammar_plan",
     "parse_spec",
     "read_structured_jsonl",
-    "tokenizer_info",
     "unpack_bitmask",
     "validate_outputs",
     "write_structured_jsonl",

@@ -45,7 +45,6 @@ from ..io import DraftTrainError
 __all__ = [
     "GrammarSpec",
     "parse_spec",
-    "tokenizer_info",
     "CompiledGrammar",
     "compile_grammar",
     "GrammarState",
@@ -154,19 +153,10 @@ _COMPILERS: dict = {}
 _LOCK = threading.Lock()
 
 
-def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Iterable[int] | None = None):
-    """xgrammar TokenizerInfo for ``tokenizer`` with masks ``vocab_size`` wide and special tokens disabled.
-
-    ``vocab_size`` is the model's logits width: ids the tokenizer lacks (lm_head padding) are never allowed;
-    tokenizer ids >= vocab_size (tokens the model cannot emit) are dropped. ``stop_token_ids`` default to the
-    tokenizer's eos. Cached per (tokenizer object, vocab_size, stop tokens).
-    """
-    return _build_tokenizer_info(tokenizer, vocab_size, _stop_ids(tokenizer, stop_token_ids, vocab_size))[0]
-
-
 def _build_tokenizer_info(tokenizer, vocab_size: int, stops: tuple[int, ...]):
-    """(info, blocked ids) cached per (tokenizer, vocab_size, stops); blocked = ids no grammar admits
-    (special tokens other than the stops, lm_head padding)."""
+    """(xgrammar TokenizerInfo with masks ``vocab_size`` wide, blocked ids), cached per (tokenizer, vocab_size,
+    stops); blocked = ids no grammar admits (special tokens other than the stops, lm_head padding: ids the
+    tokenizer lacks). Tokenizer ids >= vocab_size (tokens the model cannot emit) are dropped."""
     xgr = _xgr()
     key = (id(tokenizer), int(vocab_size), stops)
     with _LOCK:
