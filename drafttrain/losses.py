@@ -1,16 +1,29 @@
-"""Training losses and metrics of every drafter family: EAGLE-3 training-time test (TTT), Medusa heads,
-distillation (KD divergences, plain CE). Alignment: docs/design.md, "EAGLE-3 alignment".
+"""Training losses and metrics of every drafter family, as tensor functions (models run in training/*.py).
 
-EAGLE-3 drafter step i at index t predicts x_{t+2+i}; its teacher is the target distribution at position
-t+1+i. Per step, this module returns *sums* over valid positions; the caller divides by the number of valid
-positions of the whole optimizer step (all micro-batches and ranks) via :func:`combine_step_losses`.
+- EAGLE-3 training-time test (TTT): the compact teacher (:class:`Eagle3Teacher`, :func:`teacher_from_hidden`,
+  :func:`teacher_from_logits`), the valid mask and the per-step sums of the step loss ``ce`` / ``tv`` /
+  ``lk_hybrid`` (:data:`EAGLE3_LOSSES`, :func:`eagle3_valid_mask`, :func:`eagle3_step_stats`) and the step
+  weights ``0.8**i`` (:func:`step_weights`). Drafter step i at index t predicts x_{t+2+i}; its teacher is the
+  target distribution at position t+1+i (docs/design.md, "EAGLE-3 alignment").
+- Medusa heads: head k at t predicts x_{t+2+k} (:func:`medusa_valid_mask`); per-head CE and top-1/top-k sums
+  (:func:`medusa_head_stats`), head weights (:func:`medusa_head_weights`); :func:`medusa_loss` is the
+  one-batch form (means over the batch's own tokens).
+- Distillation: per-token divergences between teacher and student logits (``fkl``, ``rkl``, ``jsd``, ``tvd``:
+  :data:`KD_KINDS`), their masked mean or weighted mix :func:`kd_loss` (also the Medusa-2 self-distillation
+  KL, training/medusa.py), and the plain next-token CE baseline :func:`ce_loss`, both over the positions of
+  :func:`next_token_mask`.
+
+Normalisation: the training methods take the *sums* over valid positions these functions return (``loss_sum``,
+``ce_sum``, ...) and divide them by the number of valid positions of the whole optimizer step (all
+micro-batches and ranks; weighted terms through :func:`combine_step_losses`); the means they also return are
+per batch.
 
 Packed rows (drafttrain.data.packing): every mask takes the batch's optional ``doc_ids``; a position is
 scored only if the token it predicts lies in its own document (:func:`same_document`).
 
-The EAGLE-3 teacher is compact (:class:`Eagle3Teacher`): the target's logits over the draft vocabulary
-only, plus the full-vocabulary log-normaliser and argmax, which :func:`teacher_from_hidden` computes in
-vocabulary chunks, so the ``[B, T, V]`` float32 logits of a large vocabulary are never built.
+The EAGLE-3 teacher is compact: the target's logits over the draft vocabulary only, plus the full-vocabulary
+log-normaliser and argmax, which :func:`teacher_from_hidden` computes in vocabulary chunks, so the
+``[B, T, V]`` float32 logits of a large vocabulary are never built.
 """
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ Rules:
 - ``verify_chain_sampling``: Leviathan et al. (2023) rejection sampling for one chain of drafts with
   known draft distributions q (a deterministic draft is the q = one-hot case).
 - ``recursive_reject``: one level of EAGLE's multi-candidate recursive rejection for deterministic
-  (q = 1) sibling candidates; the building block of a future ``verify_tree_sampling``.
+  (q = 1) sibling candidates, one candidate at a time: the one-level reference of the tree rule
+  ``verify_tree_sampling`` (decoding/tree.py), which applies the same rejection at every node of a draft
+  tree, vectorised with one host sync per round, and is what the decoder calls.
 
 Host syncs: the chain rules compute everything on the device and return Python ints through a single
 ``.tolist()``, the one sync per verification round (or, with ``device_result=True``, 0-d device tensors
