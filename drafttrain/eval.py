@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .data.select import EvalSet, held_out_note
 from .io import DraftTrainError, read_json, write_json
 
 
@@ -572,22 +573,9 @@ def load_drafter(path: str, device, target_model=None):
         except (OSError, ValueError) as e:
             raise DraftTrainError(f"{path}: cannot load the draft model ({e})".splitlines()[0]) from None
     if kind in ("medusa", "medusa2"):
-        raise DraftTrainError(f"{path}: a {kind} drafter is loaded with its target (drafttrain.training.medusa."
+        raise DraftTrainError(f"{path}: a {kind} drafter is loaded with its target (drafttrain.artifacts."
                               "load_medusa)")
     raise DraftTrainError(f"{path}/config.json: unknown drafter_type {kind!r}")
-
-
-class EvalSet(list):
-    """Evaluation conversations, and a note saying which rows of what they are (printed with the count)."""
-
-    def __init__(self, items=(), note: str = ""):
-        super().__init__(items)
-        self.note = note
-
-
-def held_out_note(n: int, total: int, path) -> str:
-    return (f"the last {n} of {total} rows of {path}, held out from training (data.num_eval={n}; "
-            "data.eval_path=<file> evaluates on another file)")
 
 
 def eval_conversations(data_cfg, target_path: str | None = None) -> EvalSet:
@@ -652,7 +640,7 @@ def run_eval(cfg) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     recorded = None
     if job.drafter:
-        from .training.materialize import drafter_dir  # a training checkpoint (step_*) -> its drafter
+        from .artifacts import drafter_dir  # a training checkpoint (step_*) -> its drafter
 
         job.drafter = str(drafter_dir(job.drafter))
         if not (Path(job.drafter) / "config.json").exists():
@@ -680,7 +668,7 @@ def run_eval(cfg) -> dict:
             job.decode.method = implied[kind]
         extra = None
         if kind in ("medusa", "medusa2"):  # Medusa-2 also changes the target: merge its LoRA adapter
-            from .training.medusa import load_medusa
+            from .artifacts import load_medusa
 
             model, drafter, extra = load_medusa(job.drafter, model, next(model.parameters()).device)
             dvocab = drafter.vocab_size

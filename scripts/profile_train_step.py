@@ -36,9 +36,10 @@ def main(argv=None) -> int:
     from drafttrain.cli import CONF_DIR, expand_shorthands
     from drafttrain.data.chat import collate
     from drafttrain.data.packing import collate_packed
+    from drafttrain.data.select import load_training_data
     from drafttrain.targets.load import load_target, target_id
     from drafttrain.training import batching
-    from drafttrain.training.loop import load_training_data, make_method
+    from drafttrain.training.loop import make_method
 
     torch.set_num_threads(1)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

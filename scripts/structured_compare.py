@@ -78,7 +78,7 @@ def load(args):
         drafters[key] = load_drafter(ddir, "cpu").eval()
         methods += [("eagle3", "chain", key), ("eagle3", "tree", key)]
     if args.medusa:
-        from drafttrain.training.medusa import load_medusa
+        from drafttrain.artifacts import load_medusa
 
         model_m, heads, info = load_medusa(args.medusa, model, "cpu")
         if info["target_modified"]:

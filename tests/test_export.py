@@ -211,7 +211,7 @@ def test_medusa_vllm_layout(env, medusa_dir):
 
 
 def test_exported_medusa_reproduces_tau_and_outputs(env, medusa_dir):
-    from drafttrain.training.medusa import load_medusa
+    from drafttrain.artifacts import load_medusa
 
     src, _ = medusa_dir
     out = export_drafter(src, "vllm", env["tmp"] / "medusa-fp32", dtype="float32")

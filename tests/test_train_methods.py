@@ -126,7 +126,7 @@ def test_medusa2_recipe_end_to_end(medusa2_run, tiny_builtin_target):
     assert ck and all(k.startswith("heads.") or "lora_" in k for k in ck)
     assert any("lora_B" in k for k in ck)
     # reload: the adapter merged into a fresh target changes its weights (and only the adapted ones)
-    from drafttrain.training.medusa import load_medusa
+    from drafttrain.artifacts import load_medusa
 
     base = tf.AutoModelForCausalLM.from_pretrained(tiny_builtin_target).eval()
     ref = {k: v.clone() for k, v in base.state_dict().items()}

@@ -247,7 +247,7 @@ def run_capture_job(cfg) -> dict:
     from omegaconf import OmegaConf
 
     from ..targets.load import load_target, resolve_device, resolve_taps, num_layers, target_id
-    from ..training.loop import load_training_data
+    from ..data.select import load_training_data
 
     job = OmegaConf.to_object(cfg)
     c = job.capture

@@ -36,6 +36,7 @@ from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_t
 __all__ = [
     "MedusaHeads",
     "final_hidden",
+    "MEDUSA2_TYPE",
     "CONFIG_NAME",
     "WEIGHTS_NAME",
 ]
@@ -43,6 +44,7 @@ __all__ = [
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 DRAFTER_TYPE = "medusa"
+MEDUSA2_TYPE = "medusa2"  # a saved Medusa-2 drafter: heads/ + a LoRA adapter/ for the target
 
 
 class MedusaBlock(nn.Module):

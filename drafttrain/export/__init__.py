@@ -139,7 +139,7 @@ def serve_hint(kind_dir: Path, fmt: str) -> str:
 def run_export(cfg) -> Path:
     from omegaconf import OmegaConf
 
-    from ..training.materialize import drafter_dir  # a training checkpoint (step_*) -> its drafter
+    from ..artifacts import drafter_dir  # a training checkpoint (step_*) -> its drafter
 
     job = OmegaConf.to_object(cfg)
     job.drafter = str(drafter_dir(job.drafter))

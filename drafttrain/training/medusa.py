@@ -33,15 +33,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..artifacts import load_medusa  # re-exported (__all__): scripts/compare.py imports it from here
 from ..data.packing import lm_inputs
 from ..decoding.tree import medusa_choices_from_accuracy
-from ..drafters.medusa import MedusaHeads, final_hidden
+from ..drafters.medusa import MEDUSA2_TYPE, MedusaHeads, final_hidden
 from ..io import DraftTrainError, atomic_dir, read_json, save_tensors, write_json
-from ..lora import add_lora, load_lora, lora_target_modules
+from ..lora import add_lora, lora_target_modules
 from ..losses import (combine_step_losses, kd_loss, medusa_head_stats, medusa_head_weights, medusa_valid_mask,
                       next_token_mask)
 
-MEDUSA2_TYPE = "medusa2"
+__all__ = ["MedusaTrainable", "MedusaMethod", "self_distillation_kl", "load_medusa"]
 
 
 # ------------------------------------------------------------------------------------------ modules
@@ -372,28 +373,3 @@ def _load_heads(path: str | os.PathLike) -> MedusaHeads:
     if cfg.get("drafter_type") == MEDUSA2_TYPE:
         path = path / cfg.get("heads", "heads")
     return MedusaHeads.from_pretrained(path)
-
-
-def load_medusa(path: str | os.PathLike, target_model, device=None):
-    """Load a saved Medusa-1 or Medusa-2 drafter for decoding.
-
-    Returns ``(target to verify with, heads, info)``; for Medusa-2 the target is ``target_model`` with the
-    saved LoRA adapter merged in (in place), and ``info["target_modified"]`` is True. ``info`` also carries
-    the saved ``medusa_choices`` (None if the drafter was saved without a tree)."""
-    path = Path(path)
-    cfg = read_json(path / "config.json")
-    kind = cfg.get("drafter_type")
-    heads_dir = path / cfg["heads"] if kind == MEDUSA2_TYPE else path
-    heads = MedusaHeads.from_pretrained(heads_dir, device=device)
-    hcfg = read_json(heads_dir / "config.json")
-    info = {"medusa_choices": hcfg.get("medusa_choices"), "head_topk_accuracy": hcfg.get("head_topk_accuracy"),
-            "target_modified": kind == MEDUSA2_TYPE}
-    if kind == MEDUSA2_TYPE:
-        peft_model = load_lora(target_model, path / cfg.get("adapter", "adapter"))
-        target_model = peft_model.merge_and_unload().eval()
-    heads.medusa_choices = info["medusa_choices"]  # read by the decoder's tree choice
-    heads.head_topk_accuracy = info["head_topk_accuracy"]
-    if device is not None:
-        heads.to(device)
-    heads.to(next(target_model.parameters()).dtype)
-    return target_model, heads.eval(), info
