@@ -161,8 +161,6 @@ def test_save_load_and_export(target, tmp_path, lever):
 @pytest.mark.parametrize("lever", list(LEVERS))
 def test_static_step_equals_step_with_lever(target, lever):
     """The static-shape step (what compile / CUDA graphs run) hands on the same hidden state as ``step``."""
-    from drafttrain.decoding.proposers import eagle3_step_static
-
     d = drafter(target, num_layers=2, **LEVERS[lever])
     n, max_len = 4, 16
     ids = torch.randint(3, V, (1, n), generator=torch.Generator().manual_seed(8))
@@ -170,6 +168,6 @@ def test_static_step_equals_step_with_lever(target, lever):
     ref_logits, ref_hidden = d.step(ids, hidden, d.new_cache(1, max_len))
     cache = d.new_cache(1, max_len)
     mask = (torch.arange(max_len)[None, :] <= torch.arange(n)[:, None])[None]
-    logits, out = eagle3_step_static(d, ids, hidden, cache.k, cache.v, torch.arange(n)[None], torch.arange(n), mask)
+    logits, out = d.step_static(ids, hidden, cache.k, cache.v, torch.arange(n)[None], torch.arange(n), mask)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out, ref_hidden, atol=1e-4, rtol=1e-4)

@@ -233,13 +233,11 @@ def test_speculators_checkpoint_matches_the_reference(target, tmp_path, combo, c
         torch.testing.assert_close(l1[0, 0], ref_l1, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(h1[0, 0], ref_h1, atol=1e-4, rtol=1e-4)
         # the static-shape step (what compile / CUDA graphs run)
-        from drafttrain.decoding.proposers import eagle3_step_static
-
         n, cap = T - 1, 16
         c2 = d.new_cache(1, cap)
         mask = (torch.arange(cap)[None, :] <= torch.arange(n)[:, None])[None]
-        sl, sh = eagle3_step_static(d, ids[:, 1:], d.fuse(taps[:, :-1]), c2.k, c2.v, torch.arange(n)[None],
-                                    torch.arange(n), mask)
+        sl, sh = d.step_static(ids[:, 1:], d.fuse(taps[:, :-1]), c2.k, c2.v, torch.arange(n)[None],
+                               torch.arange(n), mask)
         torch.testing.assert_close(sl[0], ref_logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(sh[0], ref_hidden, atol=1e-4, rtol=1e-4)
         # the training forward (TTT): step 1 at index t reads step 0's hidden at t, token x_{t+2}, position t+1,

@@ -358,30 +358,17 @@ _EXTEND_PAD = 16  # static shapes: rebuilds of up to this many entries are padde
 
 
 @torch.no_grad()
-def eagle3_step_static(drafter, input_ids: Tensor, hidden: Tensor, cache_k: list[Tensor], cache_v: list[Tensor],
+def _eagle3_step_static(drafter, input_ids: Tensor, hidden: Tensor, cache_k: list[Tensor], cache_v: list[Tensor],
                        position_ids: Tensor, write_index: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """``Eagle3Drafter.step`` with static shapes: the new K/V go to slots ``write_index [n]`` of the
-    preallocated ``cache_k/cache_v`` (per layer ``[1, Hkv, max_len, D]``) and attention reads the whole buffer
-    under ``mask [1, n, max_len]`` (True = attend). Same math as ``step``; every shape is fixed by (n,
-    max_len), so the call can be captured in a CUDA graph."""
-    from drafttrain.drafters.eagle3 import sdpa_attention
-
-    dtype = drafter.fc.weight.dtype
-    emb = drafter.embed_tokens(input_ids).to(dtype)
-    cos, sin = drafter.rotary(position_ids, dtype)
-    h = hidden.to(dtype)
-    for li, layer in enumerate(drafter.layers):
-        q, k, v = layer.self_attn.qkv(layer.attn_input(emb, h), cos, sin)
-        cache_k[li].index_copy_(2, write_index, k.to(cache_k[li].dtype))
-        cache_v[li].index_copy_(2, write_index, v.to(cache_v[li].dtype))
-        h = layer.finish(sdpa_attention(q, cache_k[li].to(q.dtype), cache_v[li].to(q.dtype), mask), h)
-    return drafter.compute_logits(h), drafter.output_hidden(h)
+    """The drafter's static-shape step (:meth:`drafttrain.drafters.eagle3.Eagle3Drafter.step_static`, the one
+    owner of its forward), called as a function of the drafter so that each proposer compiles its own copy."""
+    return drafter.step_static(input_ids, hidden, cache_k, cache_v, position_ids, write_index, mask)
 
 
 @torch.no_grad()
 def eagle3_step_chain(drafter, input_ids: Tensor, hidden: Tensor | None, cache_k: list[Tensor],
                       cache_v: list[Tensor], start: Tensor, taps: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """:func:`eagle3_step_static` for ``n`` causal entries at slots (= positions) ``start .. start + n - 1``,
+    """The drafter's ``step_static`` for ``n`` causal entries at slots (= positions) ``start .. start + n - 1``,
     ``start`` 0-d: positions, write index and mask are computed here, so under ``compile`` they are part of
     the graph. With ``taps [1, n, 3*Ht]`` instead of ``hidden``, the target features are fused first (the
     rebuild of a round's accepted entries)."""
@@ -390,7 +377,7 @@ def eagle3_step_chain(drafter, input_ids: Tensor, hidden: Tensor | None, cache_k
     n, cap = input_ids.shape[1], cache_k[0].shape[2]
     q = start + torch.arange(n, device=input_ids.device)
     mask = (torch.arange(cap, device=input_ids.device)[None, :] <= q[:, None])[None]
-    return eagle3_step_static(drafter, input_ids, hidden, cache_k, cache_v, q[None], q, mask)
+    return drafter.step_static(input_ids, hidden, cache_k, cache_v, q[None], q, mask)
 
 
 class Eagle3ChainProposer:
@@ -404,11 +391,11 @@ class Eagle3ChainProposer:
     of them gives the next round's first draft.
 
     Args:
-        drafter: object with ``new_cache``, ``fuse``, ``step`` and ``logits_to_target`` (see the module
-            ``drafttrain.drafters.eagle3``).
+        drafter: object with ``new_cache``, ``fuse``, ``step`` and ``logits_to_target``, and with
+            ``static_shapes`` ``step_static`` (see the module ``drafttrain.drafters.eagle3``).
         max_len: capacity of the drafter's cache (target max length + K is enough).
-        static_shapes: run the per-token draft steps with static shapes (:func:`eagle3_step_static`: write
-            by index, attend over the whole preallocated cache with a mask), as CUDA graphs need.
+        static_shapes: run the per-token draft steps with static shapes (the drafter's ``step_static``:
+            write by index, attend over the whole preallocated cache with a mask), as CUDA graphs need.
         compile: with ``static_shapes``, compile that step (CUDA graphs on CUDA, inductor on CPU; see
             :func:`drafttrain.decoding.target.compile_static`).
     """
@@ -423,11 +410,11 @@ class Eagle3ChainProposer:
         p = next(drafter.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.static_shapes = bool(static_shapes)
-        self._step_static, self._step_chain = eagle3_step_static, eagle3_step_chain
+        self._step_static, self._step_chain = _eagle3_step_static, eagle3_step_chain
         if compile and self.static_shapes:
             from .target import compile_static
 
-            self._step_static = compile_static(eagle3_step_static, self.device)  # tree steps (a given mask)
+            self._step_static = compile_static(_eagle3_step_static, self.device)  # tree steps (a given mask)
             self._step_chain = compile_static(eagle3_step_chain, self.device)  # chain steps and rebuilds
         self.reset()
 

@@ -20,7 +20,8 @@ The optional norms follow the speculators (vllm-project/speculators ``models/eag
 them loads here (``drafttrain.export.eagle3.load_exported_eagle3``) and computes what vLLM computes.
 
 Training uses :meth:`Eagle3Drafter.ttt_forward` (training-time test, O(T^2 + steps*T) attention);
-inference uses :meth:`Eagle3Drafter.step` with an :class:`Eagle3Cache`. A test checks that both agree.
+inference uses :meth:`Eagle3Drafter.step` with an :class:`Eagle3Cache`, or :meth:`Eagle3Drafter.step_static`
+(the same step with static shapes, what compile / CUDA graphs run). Tests check that all of them agree.
 """
 from __future__ import annotations
 
@@ -808,6 +809,27 @@ class Eagle3Drafter(nn.Module):
             vc = cache.v[li][:, :, : L + n].to(q.dtype)
             h = layer.finish(masked_attention(q, kc, vc, attn_mask), h)
         cache.length = L + n
+        return self.compute_logits(h), self.output_hidden(h)
+
+    @torch.no_grad()
+    def step_static(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache_k: list[torch.Tensor],
+                    cache_v: list[torch.Tensor], position_ids: torch.Tensor, write_index: torch.Tensor,
+                    mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`step` with static shapes: the new K/V go to slots ``write_index [n]`` of the preallocated
+        ``cache_k/cache_v`` (per layer ``[1, Hkv, max_len, D]``, e.g. an :class:`Eagle3Cache`'s ``k`` / ``v``)
+        and attention reads the whole buffer under ``mask [1, n, max_len]`` (True = attend). Same math as
+        ``step``; no checks and no cache length kept (the caller owns both); every shape is fixed by (n,
+        max_len), so the call can be captured in a CUDA graph. Returns ``(logits [1, n, Vd], out_hidden
+        [1, n, H])``."""
+        dtype = self.fc.weight.dtype
+        emb = self.embed_tokens(input_ids).to(dtype)
+        cos, sin = self.rotary(position_ids, dtype)
+        h = hidden.to(dtype)
+        for li, layer in enumerate(self.layers):
+            q, k, v = layer.self_attn.qkv(layer.attn_input(emb, h), cos, sin)
+            cache_k[li].index_copy_(2, write_index, k.to(cache_k[li].dtype))
+            cache_v[li].index_copy_(2, write_index, v.to(cache_v[li].dtype))
+            h = layer.finish(sdpa_attention(q, cache_k[li].to(q.dtype), cache_v[li].to(q.dtype), mask), h)
         return self.compute_logits(h), self.output_hidden(h)
 
     # ------------------------------------------------------------------ save / load
