@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .config import DEFAULT_BUCKETS
 from .io import DraftTrainError, write_json
 
 SMALL_DRAFT = dict(hidden_size=96, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1)
@@ -126,13 +127,14 @@ def _identical(a_outs, b_outs) -> bool:
 def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=("ar", "draft_model", "pld",
           "eagle3", "eagle3_tree"), max_new_tokens=128, warmup=1, runs=3, num_draft_tokens=4, pld_num_tokens=10,
           pld_max_ngram=3, pld_tree_branches=4, pld_tree_nodes=32, tree=None, cache="auto", static_shapes=False,
-          compile=False, buckets=(1, 2, 4, 8, 16, 32, 64),
+          compile=False, buckets=DEFAULT_BUCKETS,
           hf_num_assistant_tokens=None, eagle3_num_draft_tokens=None, log=print) -> dict:
     """Run the benchmark; returns ``{"rows": [...], ...}`` (see the module docstring)."""
     from transformers.utils import logging as hf_logging
 
-    from .decoding import (DraftModelProposer, Eagle3ChainProposer, Eagle3TreeProposer, NoDraft,
-                           PromptLookupProposer, SpecDecoder, TargetRunner)
+    from .config import DecodeConfig, TreeConfig
+    from .decoding import SpecDecoder, TargetRunner
+    from .decoding.build import cache_length, make_proposer, target_taps
     from .data.chat import stop_token_ids
 
     if not prompts:
@@ -141,11 +143,18 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
     eos = sorted(stop_token_ids(model, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     tree_cfg = dict(depth=6, top_k=8, total_tokens=48) if tree is None else dict(tree)
-    max_len = max(len(p) for p in prompts) + max_new_tokens + max(num_draft_tokens, pld_num_tokens,
-                                                                    tree_cfg["total_tokens"]) + 8
+    max_len = cache_length(prompts, max_new_tokens, max(num_draft_tokens, pld_num_tokens, tree_cfg["total_tokens"]))
     rkw = dict(max_len=max_len, cache=cache, static_shapes=static_shapes, compile=compile, buckets=tuple(buckets),
                timing=False)
-    taps = tuple(drafter.config.tap_layers) if drafter is not None else None
+    taps = target_taps("eagle3", drafter) if drafter is not None else None
+
+    def proposer(method, drafter=None, k=1, **tree):
+        """A row's proposer, as ``drafttrain eval decode.method=<method>`` builds it: ``k`` draft tokens (pld), a
+        tree when given its depth, top_k and total_tokens."""
+        decode = DecodeConfig(method=method, num_draft_tokens=k, pld_max_ngram=pld_max_ngram,
+                              tree=TreeConfig(enabled=bool(tree), **tree), static_shapes=static_shapes,
+                              compile=compile, buckets=list(buckets))
+        return make_proposer(method, drafter=drafter, decode=decode, max_len=max_len)
 
     runners: dict = {}  # one runner per tap set, shared by the methods (each generate() resets it)
 
@@ -158,7 +167,7 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
     pairs = []  # (method, ours, hf, label details)
     for m in methods:
         if m == "ar":
-            pairs.append(("ar", ours("ar", NoDraft(), 0), hf_ar, ""))
+            pairs.append(("ar", ours("ar", proposer("ar"), 0), hf_ar, ""))
         elif m == "draft_model":
             if draft_model is None:
                 log("[bench] no draft model: skipping draft_model")
@@ -167,22 +176,17 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
             if hf_num_assistant_tokens:
                 draft_model.generation_config.num_assistant_tokens = int(hf_num_assistant_tokens)
                 draft_model.generation_config.num_assistant_tokens_schedule = "constant"
-            prop = DraftModelProposer(draft_model, max_len=max_len, static_shapes=static_shapes, compile=compile,
-                                      buckets=tuple(buckets))
+            prop = proposer("draft_model", draft_model)
             pairs.append(("draft_model", ours("draft_model", prop, num_draft_tokens),
                           _HF("generate(assistant_model=...)", model, eos, pad, max_new_tokens, **kw),
                           f"K={num_draft_tokens}"))
         elif m == "pld":
-            pairs.append(("pld", ours("pld", PromptLookupProposer(max_ngram=pld_max_ngram, num_tokens=pld_num_tokens),
-                                      pld_num_tokens),
+            pairs.append(("pld", ours("pld", proposer("pld", k=pld_num_tokens), pld_num_tokens),
                           _HF(f"generate(prompt_lookup_num_tokens={pld_num_tokens})", model, eos, pad, max_new_tokens,
                               prompt_lookup_num_tokens=pld_num_tokens, max_matching_ngram_size=pld_max_ngram),
                           f"{pld_num_tokens} tokens, n-gram <= {pld_max_ngram}"))
         elif m == "pld_tree":
-            from .decoding import PromptLookupTreeProposer
-
-            prop = PromptLookupTreeProposer(max_ngram=pld_max_ngram, num_tokens=pld_num_tokens,
-                                            max_branches=pld_tree_branches, max_nodes=pld_tree_nodes)
+            prop = proposer("pld", depth=pld_num_tokens, top_k=pld_tree_branches, total_tokens=pld_tree_nodes)
             pairs.append(("pld tree", ours("pld_tree", prop, pld_num_tokens),
                           _HF(f"generate(prompt_lookup_num_tokens={pld_num_tokens})", model, eos, pad, max_new_tokens,
                               prompt_lookup_num_tokens=pld_num_tokens, max_matching_ngram_size=pld_max_ngram),
@@ -192,12 +196,11 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
                 log(f"[bench] no EAGLE-3 drafter: skipping {m}")
                 continue
             if m == "eagle3":
-                prop = Eagle3ChainProposer(drafter, max_len=max_len, static_shapes=static_shapes, compile=compile)
+                prop = proposer("eagle3", drafter)
                 ke = int(eagle3_num_draft_tokens or num_draft_tokens)
                 pairs.append(("eagle3 chain", ours(m, prop, ke, taps), hf_ar, f"K={ke}"))
             else:
-                prop = Eagle3TreeProposer(drafter, max_len=max_len, static_shapes=static_shapes, compile=compile,
-                                          **tree_cfg)
+                prop = proposer("eagle3", drafter, **tree_cfg)
                 pairs.append(("eagle3 tree", ours(m, prop, tree_cfg["depth"], taps), hf_ar,
                               "depth {depth}, top-k {top_k}, {total_tokens} nodes".format(**tree_cfg)))
         else:
@@ -350,12 +353,11 @@ def tune(model, tokenizer, prompts, proposer, decode, *, taps=None, method: str,
     eos = stop_token_ids(model, tokenizer)
     is_tree = bool(getattr(proposer, "tree", False))
     biggest = max(max_draft_tokens, max(tree_sizes) if is_tree else 0)
-    max_len = max(len(p) for p in prompts) + max_new_tokens + biggest + 8
-    from .eval import _static_kw
+    from .decoding.build import cache_length, static_options
 
     # the runner the decoder will use (same cache, static shapes and compilation), so costs are the real ones
-    runner = TargetRunner(model, taps=taps, max_len=max_len, cache=decode.cache, timing=False,
-                          **_static_kw(decode, buckets=True))
+    runner = TargetRunner(model, taps=taps, max_len=cache_length(prompts, max_new_tokens, biggest),
+                          cache=decode.cache, timing=False, **static_options(decode, buckets=True))
     context = prompts[0]
     sizes = sorted({n for n in range(1, max_draft_tokens + 2)} | ({s + 1 for s in tree_sizes} if is_tree else set()))
     verify = measure_verify_cost(runner, context, sizes, repeats=repeats, tree=is_tree)
@@ -421,7 +423,7 @@ def run_tune(cfg) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from .eval import make_proposer
+    from .decoding.build import cache_length, make_proposer, target_taps
 
     job = OmegaConf.to_object(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -435,13 +437,13 @@ def run_tune(cfg) -> dict:
             raise DraftTrainError("tune: decode.method=eagle3 needs drafter=<saved drafter directory>")
     if method not in ("eagle3", "draft_model", "pld"):
         raise DraftTrainError(f"tune: decode.method={method}: tune eagle3 (chain or tree), draft_model or pld")
-    max_len = max(len(p) for p in prompts) + job.max_new_tokens + max(job.max_draft_tokens, *job.tree_sizes) + 8
+    max_len = cache_length(prompts, job.max_new_tokens, max(job.max_draft_tokens, *job.tree_sizes))
     if method == "draft_model" and job.decode.draft_model:
         dm, _, _ = load_draft_model(job.decode.draft_model, job.target, dev)
         proposer = make_proposer(method, drafter=dm, decode=job.decode, max_len=max_len, device=dev)
     else:
         proposer = make_proposer(method, drafter=drafter, decode=job.decode, max_len=max_len, device=dev)
-    taps = tuple(drafter.config.tap_layers) if drafter is not None else None
+    taps = target_taps(method, drafter) if drafter is not None else None
     res = tune(model, tokenizer, prompts, proposer, job.decode, taps=taps, method=method,
                max_draft_tokens=job.max_draft_tokens, tree_sizes=job.tree_sizes, max_new_tokens=job.max_new_tokens,
                repeats=job.repeats)

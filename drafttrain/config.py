@@ -77,6 +77,9 @@ TRAIN_METHODS = ("eagle3", "medusa", "medusa2", "distill")
 DECODE_METHODS = ("ar", "eagle3", "medusa", "draft_model", "pld", "oracle")
 CACHE_KINDS = ("auto", "static", "dynamic")
 BENCH_METHODS = ("ar", "draft_model", "pld", "pld_tree", "eagle3", "eagle3_tree")
+# static_shapes: the padded forward sizes (the same tuple as drafttrain.decoding.target.DEFAULT_BUCKETS, the
+# library's default, which this module does not import: it pulls in torch; tests/test_decoding.py checks both)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass
@@ -306,7 +309,7 @@ class DecodeConfig:
     # target KV cache: auto (static preallocated where the model allows, else HF DynamicCache) | static | dynamic
     cache: str = one_of("auto", *CACHE_KINDS)
     static_shapes: bool = False  # pad verify forwards to fixed sizes (what CUDA graphs need)
-    buckets: List[int] = nums(lambda: [1, 2, 4, 8, 16, 32, 64], ge=1)  # static_shapes: padded sizes
+    buckets: List[int] = nums(lambda: list(DEFAULT_BUCKETS), ge=1)  # static_shapes: padded sizes
     # with static_shapes: torch.compile the verify forward and the EAGLE-3 / draft-model draft steps (CUDA:
     # mode="reduce-overhead", i.e. CUDA graphs; CPU: inductor); compiles once per shape at warm-up
     compile: bool = False
@@ -424,7 +427,7 @@ class BenchJob:
     tree: TreeConfig = field(default_factory=TreeConfig)  # eagle3_tree: depth, top_k, total_tokens
     cache: str = one_of("auto", *CACHE_KINDS)  # our target KV cache
     static_shapes: bool = False  # our CUDA-graph path (padded verify, static draft steps)
-    buckets: List[int] = nums(lambda: [1, 2, 4, 8, 16, 32, 64], ge=1)  # static_shapes: padded sizes
+    buckets: List[int] = nums(lambda: list(DEFAULT_BUCKETS), ge=1)  # static_shapes: padded sizes
     compile: bool = False  # with static_shapes: torch.compile (CUDA graphs on CUDA, inductor on CPU)
     threads: int = num(0, ge=0)  # torch.set_num_threads for the run (0: leave as is)
 

@@ -18,93 +18,6 @@ from .data.select import EvalSet, held_out_note
 from .io import DraftTrainError, read_json, write_json
 
 
-def medusa_choices_for(drafter, decode):
-    """The static Medusa tree to decode with: ``decode.tree.medusa_choices`` if given; else one chosen for
-    ``decode.tree.total_tokens`` nodes from the per-head accuracy the drafter was saved with; else the tree it
-    was saved with; else :data:`drafttrain.decoding.tree.DEFAULT_MEDUSA_CHOICES`."""
-    from .decoding.tree import DEFAULT_MEDUSA_CHOICES, medusa_choices_from_accuracy
-
-    tree = decode.tree
-    if tree.medusa_choices:
-        return [list(c) for c in tree.medusa_choices]
-    acc = getattr(drafter, "head_topk_accuracy", None)
-    if acc:
-        return medusa_choices_from_accuracy(acc, tree.total_tokens, max_depth=min(tree.depth, drafter.num_heads))
-    saved = getattr(drafter, "medusa_choices", None)
-    if saved:
-        return [list(c) for c in saved]
-    return [c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= drafter.num_heads]
-
-
-def _static_kw(decode, buckets: bool = False) -> dict:
-    kw = dict(static_shapes=bool(getattr(decode, "static_shapes", False)),
-              compile=bool(getattr(decode, "compile", False)))
-    if buckets:
-        kw["buckets"] = tuple(getattr(decode, "buckets", None) or (1, 2, 4, 8, 16, 32, 64))
-    return kw
-
-
-def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, device="cpu"):
-    """The proposer of ``decode.method``; ``decode.tree.enabled`` selects the tree variant (eagle3, medusa,
-    pld, oracle). Tree proposers draft up to ``decode.tree.depth`` tokens along a path (see
-    :func:`draft_depth`)."""
-    from .decoding.proposers import (DraftModelProposer, Eagle3ChainProposer, Eagle3TreeProposer,
-                                     MedusaChainProposer, MedusaTreeProposer, NoDraft, OracleProposer,
-                                     PromptLookupProposer, StubTreeProposer)
-
-    tree = decode.tree if decode is not None else None
-    use_tree = bool(tree is not None and tree.enabled)
-    if method == "eagle3":
-        if drafter is None:
-            raise DraftTrainError("decode.method=eagle3 needs a drafter (drafter=runs/<run>/final)")
-        static = _static_kw(decode)
-        if use_tree:
-            return Eagle3TreeProposer(drafter, max_len=max_len, depth=tree.depth, top_k=tree.top_k,
-                                      total_tokens=tree.total_tokens, **static)
-        return Eagle3ChainProposer(drafter, max_len=max_len, **static)
-    if method == "medusa":
-        if drafter is None:
-            raise DraftTrainError("decode.method=medusa needs Medusa heads (drafter=runs/<run>/final)")
-        if use_tree:
-            return MedusaTreeProposer(drafter, medusa_choices_for(drafter, decode))
-        return MedusaChainProposer(drafter)
-    if method == "ar":
-        return NoDraft()
-    if method == "pld":
-        if use_tree:  # several matches' continuations as one trie: depth tokens, top_k branches
-            from .decoding.proposers import PromptLookupTreeProposer
-
-            return PromptLookupTreeProposer(max_ngram=decode.pld_max_ngram, num_tokens=tree.depth,
-                                            max_branches=tree.top_k, max_nodes=tree.total_tokens)
-        return PromptLookupProposer(max_ngram=decode.pld_max_ngram, num_tokens=decode.num_draft_tokens)
-    if method == "oracle":
-        if use_tree:  # the right path among top_k - 1 wrong siblings per depth: a benchmark of tree verify
-            return StubTreeProposer([], lambda j: True, vocab_size=1 << 62, branching=tree.top_k)
-        return OracleProposer([])
-    if method == "draft_model":
-        if drafter is not None:  # a distilled draft (recipe=distill), already loaded
-            return DraftModelProposer(drafter, max_len=max_len, **_static_kw(decode, buckets=True))
-        if not decode.draft_model:
-            raise DraftTrainError("decode.method=draft_model needs decode.draft_model=<dir of a causal LM>")
-        from transformers import AutoModelForCausalLM
-
-        dm = AutoModelForCausalLM.from_pretrained(decode.draft_model).eval().to(device)
-        return DraftModelProposer(dm, max_len=max_len, **_static_kw(decode, buckets=True))
-    raise DraftTrainError(f"decode.method={method}: expected one of ar, eagle3, medusa, pld, oracle, draft_model")
-
-
-def draft_depth(proposer, decode) -> int:
-    """K of the decoder: draft tokens per round for chains, the maximum tree depth for tree proposers."""
-    if getattr(proposer, "tree", False):
-        return int(getattr(proposer, "depth", None) or decode.tree.depth)
-    return int(decode.num_draft_tokens)
-
-
-def extra_positions(decode) -> int:
-    """Cache slots a round may use beyond the committed tokens."""
-    return max(int(decode.num_draft_tokens), int(decode.tree.total_tokens) if decode.tree.enabled else 0) + 8
-
-
 def _fmt(x, spec=".3f"):
     return "-" if x is None else format(x, spec)
 
@@ -298,6 +211,7 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
     compares with *constrained* AR; the report adds ``grammar`` and ``valid_fraction`` (speculative outputs
     that validate; ``baseline_valid_fraction`` for AR).
     """
+    from .decoding.build import decode_cache_length, draft_depth, static_options
     from .decoding.engine import SpecDecoder, aggregate
     from .decoding.proposers import NoDraft
     from .decoding.target import TargetRunner
@@ -307,10 +221,10 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
         raise DraftTrainError("no evaluation prompts (data.num_eval rows of the evaluation set are empty?)")
     if decode.cache not in ("auto", "static", "dynamic"):
         raise DraftTrainError(f"decode.cache={decode.cache}: expected auto, static or dynamic")
-    max_len = max(len(p) for p in prompts) + decode.max_new_tokens + extra_positions(decode)
+    max_len = decode_cache_length(prompts, decode)
     eos = stop_token_ids(model, tokenizer)
     kw = dict(temperature=decode.temperature, top_k=decode.top_k, top_p=decode.top_p)
-    rkw = dict(max_len=max_len, cache=decode.cache, **_static_kw(decode, buckets=True))
+    rkw = dict(max_len=max_len, cache=decode.cache, **static_options(decode, buckets=True))
     try:
         ar_runner = TargetRunner(model, taps=None, **rkw)
         # one runner when no taps are needed: its compiled graphs then serve both decoders
@@ -534,18 +448,12 @@ def evaluate_drafter(model, tokenizer, drafter, decode, eval_convs, run_dir, *, 
     extra = {**dtypes, **(extra or {})}
     prompts = eval_prompt_ids(tokenizer, eval_convs, decode.num_prompts)
     announce_prompts(prompts, eval_convs, decode.num_prompts)
-    max_len = max(len(p) for p in prompts) + decode.max_new_tokens + extra_positions(decode)
-    method = decode.method
-    proposer = make_proposer(method, drafter=drafter, decode=decode, max_len=max_len,
-                             device=next(model.parameters()).device)
-    if method == "eagle3":
-        taps = tuple(drafter.config.tap_layers)
-    elif method == "medusa":  # the heads read the last hidden state (post-norm in transformers 5)
-        from .targets.load import num_layers
+    from .decoding.build import decode_cache_length, make_proposer, target_taps
 
-        taps = (num_layers(model),)
-    else:
-        taps = None
+    method = decode.method
+    proposer = make_proposer(method, drafter=drafter, decode=decode, max_len=decode_cache_length(prompts, decode),
+                             device=next(model.parameters()).device)
+    taps = target_taps(method, drafter, model)  # Medusa: the last hidden state (post-norm in transformers 5)
     from .structured import grammar_plan
 
     return evaluate(model, tokenizer, prompts, proposer, decode, run_dir, method=method, target_name=target_name,
@@ -688,8 +596,9 @@ def run_eval(cfg) -> dict:
                                 drafter_name=job.drafter, extra=extra)
     prompts = eval_prompt_ids(tokenizer, convs, job.decode.num_prompts)
     announce_prompts(prompts, convs, job.decode.num_prompts)
-    max_len = max(len(p) for p in prompts) + job.decode.max_new_tokens + extra_positions(job.decode)
-    proposer = make_proposer(job.decode.method, decode=job.decode, max_len=max_len,
+    from .decoding.build import decode_cache_length, make_proposer
+
+    proposer = make_proposer(job.decode.method, decode=job.decode, max_len=decode_cache_length(prompts, job.decode),
                              device=next(model.parameters()).device)
     from .structured import grammar_plan
 

@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from drafttrain.config import DecodeConfig, TargetConfig, TreeConfig  # noqa: E402
 from drafttrain.decoding import NoDraft, SpecDecoder, TargetRunner, aggregate  # noqa: E402
+from drafttrain.decoding.build import cache_length  # noqa: E402
 from drafttrain.io import write_json, write_text  # noqa: E402
 from drafttrain.structured import builtin_structured_examples, grammar_plan  # noqa: E402
 
@@ -95,7 +96,7 @@ def load(args):
 
 def make(name, kind, key, drafters, args, max_len, L, V):
     """(proposer, K, target taps) of a method (``key``: its drafter in ``drafters``)."""
-    from drafttrain.eval import make_proposer
+    from drafttrain.decoding.build import draft_depth, make_proposer, target_taps
 
     tree = TreeConfig(enabled=kind == "tree", depth=args.tree_depth, top_k=args.tree_top_k,
                       total_tokens=args.tree_nodes)
@@ -105,16 +106,16 @@ def make(name, kind, key, drafters, args, max_len, L, V):
         prop.num_tokens = args.num_draft_tokens
     if hasattr(prop, "agree_fn"):
         prop.vocab_size = V
-    K = int(getattr(prop, "depth", None) or tree.depth) if getattr(prop, "tree", False) else args.num_draft_tokens
+    K = draft_depth(prop, decode)
     if name == "medusa":
         K = min(K, drafters["medusa"].num_heads)
-    taps = tuple(drafters[key].config.tap_layers) if name == "eagle3" else (L,) if name == "medusa" else None
+    taps = target_taps(name, drafters.get(key)) if name != "medusa" else (L,)
     return prop, K, taps
 
 
 def run_mode(model, tok, prompts, compiled, methods, drafters, args, L, eos, plan):
     """Decode every prompt with AR and with each method under ``compiled`` (per-prompt grammars or Nones)."""
-    max_len = max(len(p) for p in prompts) + args.max_new_tokens + max(args.num_draft_tokens, args.tree_nodes) + 8
+    max_len = cache_length(prompts, args.max_new_tokens, max(args.num_draft_tokens, args.tree_nodes))
     V = model.config.vocab_size
 
     def state(i):

@@ -693,3 +693,19 @@ def test_cpu_compiled_eagle3_chain_no_recompile_per_prompt_length(llama):
     before = counters["stats"]["unique_graphs"]
     assert dec.generate(prompts[2], 16).tokens == refs[2]
     assert counters["stats"]["unique_graphs"] == before
+
+
+def test_bucket_default_and_cache_length():
+    """One bucket default (the configs' equals the runner's) and one KV-cache length rule."""
+    from drafttrain import config
+    from drafttrain.decoding.build import cache_length, decode_cache_length, static_options
+    from drafttrain.decoding.target import DEFAULT_BUCKETS
+
+    assert config.DEFAULT_BUCKETS == DEFAULT_BUCKETS
+    assert config.DecodeConfig().buckets == config.BenchJob().buckets == list(DEFAULT_BUCKETS)
+    assert static_options(SimpleNamespace(static_shapes=True, buckets=[]), buckets=True)["buckets"] == DEFAULT_BUCKETS
+    prompts = [[1] * 5, [2] * 9]
+    assert cache_length(prompts, 20, 4) == 9 + 20 + 4 + 8 and cache_length([], 20, slack=1) == 21
+    tree = config.TreeConfig(enabled=True, total_tokens=30)
+    assert decode_cache_length(prompts, config.DecodeConfig(max_new_tokens=20, num_draft_tokens=4, tree=tree)) == 67
+    assert decode_cache_length(prompts, config.DecodeConfig(max_new_tokens=20, num_draft_tokens=4)) == 41

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from drafttrain.config import DecodeConfig, TreeConfig
-from drafttrain.eval import draft_depth, evaluate, make_proposer, medusa_choices_for
+from drafttrain.decoding.build import draft_depth, make_proposer, medusa_choices_for
+from drafttrain.eval import evaluate
 from drafttrain.io import DraftTrainError
 
 

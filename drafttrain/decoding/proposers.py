@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .sampling import SamplingParams, sample
-from .target import TargetRunner
+from .target import DEFAULT_BUCKETS, TargetRunner
 from .tree import DEFAULT_MEDUSA_CHOICES, DraftTree, medusa_tree
 
 
@@ -279,7 +279,7 @@ class DraftModelProposer:
     grammar_aware = True
 
     def __init__(self, draft_model, vocab_size: int | None = None, max_len: int | None = None,
-                 static_shapes: bool = False, compile: bool = False, buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64)):
+                 static_shapes: bool = False, compile: bool = False, buckets: Sequence[int] = DEFAULT_BUCKETS):
         self.runner = TargetRunner(draft_model, taps=None, max_len=max_len, static_shapes=static_shapes,
                                    compile=compile, buckets=buckets)
         self.vocab_size = int(vocab_size) if vocab_size is not None else self.runner.vocab_size

@@ -35,6 +35,10 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+# static_shapes: the padded forward sizes by default (drafttrain.config.DEFAULT_BUCKETS, the configs' default, is
+# the same tuple; tests/test_decoding.py checks it)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -211,7 +215,7 @@ class TargetRunner:
     """
 
     def __init__(self, model, taps: tuple[int, ...] | None = None, max_len: int | None = None,
-                 cache: str = "auto", static_shapes: bool = False, buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+                 cache: str = "auto", static_shapes: bool = False, buckets: Sequence[int] = DEFAULT_BUCKETS,
                  compile: bool = False, timing: bool = True):
         self.model = model.eval()
         self.taps = tuple(int(t) for t in taps) if taps else None

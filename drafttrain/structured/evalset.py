@@ -352,12 +352,13 @@ def answer_with_target(model, tokenizer, examples: Sequence[StructuredExample], 
     (the rows are OpenAI-shaped; the extra ``schema`` key is ignored there) and ``data=structured
     data.path=<file>`` evaluates on them."""
     from ..decoding import NoDraft, SpecDecoder, TargetRunner
+    from ..decoding.build import cache_length
     from .grammar import compile_grammar, decode_output
 
     stops = sorted({int(tokenizer.eos_token_id), *(int(t) for t in (stop_token_ids or []))})
     vocab = int(model.config.vocab_size)
     prompts = [e.prompt_ids(tokenizer) for e in examples]
-    runner = TargetRunner(model, max_len=max((len(p) for p in prompts), default=0) + max_new_tokens + 1)
+    runner = TargetRunner(model, max_len=cache_length(prompts, max_new_tokens, slack=1))  # AR: no drafts
     dec = SpecDecoder(runner, NoDraft(), 0)
     out = []
     for e, p in zip(examples, prompts):

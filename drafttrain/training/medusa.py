@@ -17,7 +17,7 @@ AR reference (report key ``target_modified: true``).
 The default decoding tree is chosen from the per-head, per-rank accuracy measured over the last training
 steps (``decoding.tree.medusa_choices_from_accuracy``); both are saved in the heads' config
 (``medusa_choices``, ``head_topk_accuracy``), and the decoder re-picks a tree of ``decode.tree.total_tokens``
-nodes from that accuracy (``eval.medusa_choices_for``).
+nodes from that accuracy (``decoding.build.medusa_choices_for``).
 
 Saved layouts (``final/``): Medusa-1: a MedusaHeads directory (vLLM Medusa format; config.json also carries
 ``medusa_choices`` and ``head_topk_accuracy``). Medusa-2: ``config.json`` (``drafter_type: medusa2``,
@@ -354,7 +354,7 @@ class MedusaMethod:
         """(target to verify with, drafter for the proposer, extra report keys). Medusa-2 merges its LoRA
         adapter into the target (in place; training is over) and verifies with that adapted target."""
         extra = {"medusa_choices": drafter.medusa_choices, "head_topk_accuracy": drafter.head_topk_accuracy}
-        # the decoder (eval.medusa_choices_for) reads the measured accuracy / saved tree from the heads
+        # the decoder (decoding.build.medusa_choices_for) reads the measured accuracy / saved tree from the heads
         drafter.heads.medusa_choices = drafter.medusa_choices
         drafter.heads.head_topk_accuracy = drafter.head_topk_accuracy
         if not self.joint:
