@@ -19,6 +19,19 @@ TINY_BUILTIN = {"steps": 10, "max_files": 20}
 TINY_BUILTIN_OVERRIDES = [f"target.builtin.{k}={v}" for k, v in TINY_BUILTIN.items()]
 
 
+# The fast tier (`pytest -m "not slow"`, README) also leaves out, without a mark in their files, the tests of
+# these modules and every test that needs these fixtures:
+SLOW_MODULES = {"test_builtin_docs.py"}  # builds the second built-in target and trains every family on it
+SLOW_FIXTURES = {"tiny_builtin_target"}  # built once per session: ~30-50 s on 2 cores before the first such test
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("drafttrain-cache")

@@ -43,6 +43,7 @@ def tiny(tiny_builtin_target):
     return model, tok, draft, drafter, prompts
 
 
+@pytest.mark.slow
 def test_bench_rows_and_identical_outputs(tiny):
     model, tok, draft, drafter, prompts = tiny
     res = bench(model, tok, prompts, drafter=drafter, draft_model=draft, max_new_tokens=12, warmup=0, runs=1,
@@ -83,6 +84,7 @@ def test_expected_tau_and_chain_choice():
     assert trees["best"]["total_tokens"] == 8
 
 
+@pytest.mark.slow
 def test_tune_chain_and_tree(tiny):
     model, tok, draft, drafter, prompts = tiny
     from drafttrain.decoding import Eagle3TreeProposer, PromptLookupProposer
@@ -102,6 +104,7 @@ def test_tune_chain_and_tree(tiny):
     assert res["overrides"][0].startswith("decode.tree.total_tokens=")
 
 
+@pytest.mark.slow
 def test_bench_cli_writes_table(tiny_builtin_target, tmp_path):
     """`drafttrain bench` end to end (ar and pld rows only, to stay fast): bench.json and bench.md."""
     env = dict(os.environ, DRAFTTRAIN_CACHE=str(tiny_builtin_target.parent), OMP_NUM_THREADS="1")

@@ -265,6 +265,7 @@ def test_offline_refuses_medusa2_and_on_policy_distillation(setup, tmp_path):
 
 
 # ------------------------------------------------------------------ the loop loads only the target's parts
+@pytest.mark.slow
 def test_offline_training_loads_only_the_target_parts_it_needs(setup, tiny_builtin_target, tmp_path, monkeypatch,
                                                                capsys):
     """distill (from_target_layers, 2 layers) trained offline in process: the target's other decoder layers are

@@ -95,6 +95,7 @@ def test_hydra_flags_are_not_checked_as_overrides():
     assert _without_hydra_flags(args) == ["recipe=eagle3", "x=1"]
 
 
+@pytest.mark.slow
 def test_cli_prints_the_job_config(tmp_path):
     r = subprocess.run([sys.executable, "-m", "drafttrain.cli", "train", "recipe=eagle3", "--cfg", "job"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
@@ -103,6 +104,7 @@ def test_cli_prints_the_job_config(tmp_path):
     assert not any(tmp_path.iterdir())  # printing the config starts no run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override,needle", [
     ("train.max_stepz=3", "max_stepz"),
     ("train.max_steps=abc", "train.max_steps"),

@@ -586,6 +586,7 @@ def _toy_proposer(name):
     return Eagle3ChainProposer(toy_eagle3(), max_len=32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,T,k,p", TOY_CASES)
 def test_speculative_sampling_preserves_target_distribution(name, T, k, p):
     """The first 4 tokens (the prefill's token, then a K=2 round and whatever follows) are distributed exactly
@@ -596,6 +597,7 @@ def test_speculative_sampling_preserves_target_distribution(name, T, k, p):
     assert min(_check_law(counts, law)) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,T,k,p,dt", [
     ("draft_model", 1.0, 0, 1.0, 0.5),
     ("draft_model", 0.7, 0, 0.9, 0.0),  # argmax drafts (one-hot q) under a sampling target
@@ -612,6 +614,7 @@ def test_draft_temperature_keeps_the_target_distribution(name, T, k, p, dt):
     assert abs(alpha - alpha_same) > 0.02  # the drafts really came from another distribution
 
 
+@pytest.mark.slow
 def test_distribution_check_has_power(monkeypatch):
     """Negative control: with a biased verifier (resample from p instead of the residual), the χ² fails."""
 

@@ -48,6 +48,7 @@ def _run(tiny, tmp_path, method, decode, drafter=None, taps=None):
                     drafter_name=None, taps=taps), prop
 
 
+@pytest.mark.slow
 def test_report_chain_with_sweep_and_plots(tiny, tmp_path):
     decode = _decode(method="pld", num_draft_tokens=3, sweep=[1, 3])
     rep, _ = _run(tiny, tmp_path, "pld", decode)
@@ -62,6 +63,7 @@ def test_report_chain_with_sweep_and_plots(tiny, tmp_path):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_report_trees_per_depth(tiny, tmp_path):
     model, tok, drafter, heads, prompts = tiny
     L = model.config.num_hidden_layers
@@ -89,6 +91,7 @@ def test_report_trees_per_depth(tiny, tmp_path):
     assert rep["outputs_match_baseline"] is True and rep["acceptance_per_depth"][0] in (1.0, None)
 
 
+@pytest.mark.slow
 def test_report_typical_acceptance_is_labelled_lossy(tiny, tmp_path):
     model, tok, drafter, heads, prompts = tiny
     L = model.config.num_hidden_layers

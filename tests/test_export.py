@@ -17,6 +17,8 @@ from drafttrain.io import DraftTrainError
 from .conftest import REPO
 from .test_distributed import reference_run
 
+pytestmark = pytest.mark.slow  # every test here reads the drafter of a 4-step training run (the env fixture)
+
 SD = {torch.bfloat16: "BF16", torch.float32: "F32"}
 
 

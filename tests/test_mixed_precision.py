@@ -8,10 +8,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from .conftest import REPO, TINY_BUILTIN_OVERRIDES
+
+pytestmark = pytest.mark.slow  # train.py runs in a subprocess
 
 ARGS = [*TINY_BUILTIN_OVERRIDES, "data.num_train=48", "data.regen_max_new_tokens=48", "data.num_eval=3",
         "data.max_length=160", "train.batch_size=4", "train.micro_batch_size=2", "train.max_steps=3",

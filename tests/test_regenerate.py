@@ -62,6 +62,7 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_regenerate_replaces_assistant_turns_with_greedy_output(target, in_file, tmp_path):
     model, tok = target
     before = in_file.read_bytes()
@@ -93,6 +94,7 @@ def test_regenerate_replaces_assistant_turns_with_greedy_output(target, in_file,
     assert [c.messages for c in read_conversations(out)] == [r["messages"] for r in rows]
 
 
+@pytest.mark.slow
 def test_resume_after_crash_is_identical(target, in_file, tmp_path):
     model, tok = target
     kw = dict(batch_size=3, max_new_tokens=MAX_NEW, progress=False)
@@ -144,6 +146,7 @@ def test_regenerate_refuses_bad_outputs(target, in_file, tmp_path):
         regenerate_file(model, tok, in_file, part, batch_size=4, max_new_tokens=5, progress=False)
 
 
+@pytest.mark.slow
 def test_sampling_is_deterministic_given_seed(target):
     model, tok = target
     convs = [c.messages() for c in stdlib.code_chats("draft")[:3]]

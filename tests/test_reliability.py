@@ -42,6 +42,7 @@ def _one_error_line(r):
 
 
 # ---------------------------------------------------------------- bad input through the real entry point
+@pytest.mark.slow
 def test_malformed_jsonl_names_file_and_line_and_is_untouched(tmp_path, tiny_builtin_target):
     data = tmp_path / "chats.jsonl"
     good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
@@ -54,6 +55,7 @@ def test_malformed_jsonl_names_file_and_line_and_is_untouched(tmp_path, tiny_bui
     assert not (tmp_path / "run" / "final").exists()
 
 
+@pytest.mark.slow
 def test_zero_trainable_tokens_is_an_error(tmp_path, tiny_builtin_target):
     data = tmp_path / "empty.jsonl"
     row = {"messages": [{"role": "user", "content": "x " * 400}, {"role": "assistant", "content": "ok"}]}
@@ -62,11 +64,13 @@ def test_zero_trainable_tokens_is_an_error(tmp_path, tiny_builtin_target):
     assert "trainable" in _one_error_line(r)
 
 
+@pytest.mark.slow
 def test_draft_vocab_larger_than_target_vocab(tmp_path, tiny_builtin_target):
     r = _train(["eagle3.draft_vocab_size=999999", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"])
     assert "draft_vocab_size=999999" in _one_error_line(r)
 
 
+@pytest.mark.slow
 def test_offline_capture_refused_for_medusa2_before_anything_loads(tmp_path, tiny_builtin_target):
     feats = tmp_path / "feats"
     r = subprocess.run([sys.executable, str(REPO / "train.py"), "recipe=medusa2", *RUN, "capture.mode=offline",
@@ -77,11 +81,13 @@ def test_offline_capture_refused_for_medusa2_before_anything_loads(tmp_path, tin
     assert "target:" not in r.stdout and not feats.exists()  # refused before the target was loaded
 
 
+@pytest.mark.slow
 def test_tap_layer_out_of_range(tmp_path, tiny_builtin_target):
     r = _train(["eagle3.tap_layers=[2,4,42]", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"])
     assert "42" in _one_error_line(r) and "out of range" in _one_error_line(r)
 
 
+@pytest.mark.slow
 def test_missing_target_path(tmp_path):
     r = _train([f"target={tmp_path / 'nope'}", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"])
     assert "no such directory" in _one_error_line(r)
@@ -98,6 +104,7 @@ def test_resume_refuses_another_method_or_target(tmp_path):
         checkpoint.resolve_resume(str(tmp_path), tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_with_step_and_batch_and_keeps_last_good_checkpoint(tmp_path, tiny_builtin_target):
     run = tmp_path / "run"
     r = _train(["train.lr=1e12", "train.warmup_steps=0", "train.grad_clip=0", "train.max_steps=8",
@@ -211,6 +218,7 @@ def test_checkpoint_optimizer_state_loads_with_weights_only(tmp_path):
     assert Path(tmp_path / "c" / "state.json").exists()
 
 
+@pytest.mark.slow
 def test_eval_refuses_a_drafter_trained_for_another_target(tmp_path, tiny_builtin_target):
     fake = tmp_path / "drafter"
     fake.mkdir()

@@ -410,6 +410,7 @@ def _minimal_instance(schema):
     return {"string": "s", "integer": 0, "number": 0.5, "boolean": True, "array": [], "null": None}[t]
 
 
+@pytest.mark.slow
 def test_builtin_structured_examples(tiny):
     tok, _ = tiny
     ex = builtin_structured_examples(limit=40, seed=0)
@@ -489,6 +490,7 @@ def _constrained_greedy(model, g, prompt, stops, max_new_tokens):
     return out, changed
 
 
+@pytest.mark.slow
 def test_constrained_greedy_decode_validates(tiny, model):
     tok, V = tiny
     eos = tok.eos_token_id

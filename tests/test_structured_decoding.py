@@ -293,6 +293,7 @@ def test_max_new_tokens_cut_and_stop_tokens(env):
 
 
 # ----------------------------------------------------------------------------------------------- eval
+@pytest.mark.slow
 def test_evaluate_reports_grammar_and_valid_fraction(env, tmp_path):
     from drafttrain.config import DecodeConfig
     from drafttrain.eval import evaluate
@@ -493,6 +494,7 @@ def test_toy_grammar_masks_match_python_re(toy_grammar):
     assert g.is_terminated()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,T,k,p", TOY_CASES)
 def test_sampling_preserves_constrained_distribution(toy_grammar, name, T, k, p):
     torch.set_num_threads(1)
@@ -504,6 +506,7 @@ def test_sampling_preserves_constrained_distribution(toy_grammar, name, T, k, p)
     assert _chi2_pvalue(counts, law) > 1e-3
 
 
+@pytest.mark.slow
 def test_constrained_distribution_check_has_power(toy_grammar):
     """The same samples against the law of the wrong order (top-k before the mask) are rejected."""
     torch.set_num_threads(1)

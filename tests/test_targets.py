@@ -50,6 +50,7 @@ def test_builtin_target_is_a_real_causal_lm(tiny_builtin_target):
     assert list(tiny_builtin_target.glob("*.safetensors")) and not list(tiny_builtin_target.glob("*.bin"))
 
 
+@pytest.mark.slow
 def test_builtin_build_is_deterministic(tmp_path, tiny_builtin_target):
     spec = BuiltinSpec(**{**TINY_BUILTIN, "steps": 3})
     build_builtin_target(tmp_path / "a", spec, quiet=True)

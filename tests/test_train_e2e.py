@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 
 from .conftest import REPO, TINY_BUILTIN_OVERRIDES
 
+pytestmark = pytest.mark.slow  # every test here runs train.py or the CLI in a subprocess
+
 SMALL = [
     *TINY_BUILTIN_OVERRIDES,
     "data.num_train=48", "data.regen_max_new_tokens=48", "data.num_eval=3", "data.max_length=160",

@@ -83,6 +83,7 @@ def distill_run(tmp_path_factory, chats):
                   "distill.on_policy_max_new_tokens=8", "train.save_every=2", "train.eval_checkpoints=true")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["medusa_run", "distill_run"])
 def test_checkpoints_are_evaluated(run, request):
     """train.eval_checkpoints: the drafter as of each checkpoint is decoded (Medusa heads; the draft LM)."""
@@ -91,6 +92,7 @@ def test_checkpoints_are_evaluated(run, request):
     assert report["drafter"].endswith("step_00000002")
 
 
+@pytest.mark.slow
 def test_medusa1_recipe_end_to_end(medusa_run):
     r = _report(medusa_run)
     assert r["method"] == "medusa" and r["prompts"] == 2 and r["target_modified"] is False
@@ -109,6 +111,7 @@ def test_medusa1_recipe_end_to_end(medusa_run):
     assert len(cfg["head_topk_accuracy"]) == 3
 
 
+@pytest.mark.slow
 def test_medusa2_recipe_end_to_end(medusa2_run, tiny_builtin_target):
     r = _report(medusa2_run)
     assert r["method"] == "medusa" and r["target_modified"] is True  # Medusa-2 changes the target
@@ -156,6 +159,7 @@ def test_medusa2_two_processes_match_one(tmp_path_factory, chats):
     assert a[-1]["lm_loss"] > 0  # the adapters moved, in both runs alike
 
 
+@pytest.mark.slow
 def test_eval_command_reloads_medusa2_with_adapted_target(medusa2_run, tmp_path):
     out = tmp_path / "ev"
     _run(["-m", "drafttrain.cli", "eval", f"drafter={medusa2_run / 'final'}", *TINY_BUILTIN_OVERRIDES,
@@ -165,6 +169,7 @@ def test_eval_command_reloads_medusa2_with_adapted_target(medusa2_run, tmp_path)
     assert r["method"] == "medusa" and r["target_modified"] is True and r["outputs_match_baseline"] is True
 
 
+@pytest.mark.slow
 def test_distill_recipe_end_to_end(distill_run):
     r = _report(distill_run)
     assert r["method"] == "draft_model" and r["target_modified"] is False

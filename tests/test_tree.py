@@ -223,6 +223,7 @@ def _chi2_dict(counts: dict, law: dict) -> float:
     return float(stats.chisquare(o, e).pvalue)
 
 
+@pytest.mark.slow
 def test_verify_tree_sampling_is_exact_per_round():
     g = torch.Generator().manual_seed(5)
     Vs = 5
@@ -324,6 +325,7 @@ def test_greedy_tree_with_dynamic_cache(llama):
         assert res.tokens == llama.ar and runner.cache.get_seq_length() == PROMPT_LEN + N_NEW - 1
 
 
+@pytest.mark.slow
 def test_static_shapes_path_matches(setup):
     """The padded, static-shape forward (the CUDA-graph path) runs eagerly on CPU with the same outputs."""
     for name in ("eagle3_tree", "stub_tree_sometimes", "medusa_chain"):
@@ -349,6 +351,7 @@ def test_static_shapes_path_matches(setup):
         assert a.accepted_per_position == b.accepted_per_position and a.num_tree_nodes == b.num_tree_nodes
 
 
+@pytest.mark.slow
 def test_builtin_target_tree_methods(tiny_builtin_target):
     from transformers import AutoModelForCausalLM
 
@@ -574,6 +577,7 @@ TREE_TOY_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,T,k,p", TREE_TOY_CASES)
 def test_tree_speculative_sampling_preserves_target_distribution(name, T, k, p):
     """The first 4 tokens are distributed exactly as the target's processed distribution (temperature,
@@ -583,6 +587,7 @@ def test_tree_speculative_sampling_preserves_target_distribution(name, T, k, p):
     assert min(_check_law(counts, law)) > 1e-3
 
 
+@pytest.mark.slow
 def test_tree_distribution_check_has_power(monkeypatch):
     """Negative control: a verifier that draws the final token from p instead of the residual is caught."""
 

@@ -229,6 +229,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,needles", [
     (["eval", "decode.method=ar", "decode.temperature=-1"], ["decode.temperature=-1", ">= 0"]),  # was accepted
     (["eval", "decode.method=ar", "decode.top_p=2"], ["decode.top_p=2", "in (0, 1]"]),  # was a traceback
@@ -254,6 +255,7 @@ def test_cli_bad_setting_is_one_line_before_anything_runs(args, needles, tmp_pat
     assert _digest(data) == before
 
 
+@pytest.mark.slow
 def test_cli_damaged_target_weights_is_one_line_naming_the_target(tmp_path, tiny_builtin_target):
     target = tmp_path / "target"
     shutil.copytree(tiny_builtin_target, target)
