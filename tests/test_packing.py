@@ -81,6 +81,25 @@ def test_collate_packed_positions_documents_and_slots():
         torch.testing.assert_close(placed[r, c: c + n], feats[i, :n])
 
 
+def test_packing_keeps_rows_short_within_the_tolerance():
+    """Uniform conversations stay one per row (merging them saves few cells and costs quadratic attention):
+    the plain right-padded batch comes back; mixed lengths still pack within 1.1 cells per real token when
+    the example set allows it."""
+    from drafttrain.data.packing import PACK_TOLERANCE, best_groups
+
+    uniform = _examples(seed=4, lengths=[200, 210, 205, 190, 215, 198, 207, 202])
+    b = collate_packed(uniform, pad_id=0, capacity=512)
+    assert "doc_ids" not in b and "slots" not in b
+    ref = collate(uniform, 0)
+    assert all(torch.equal(b[k], ref[k]) for k in ref)
+    lengths = [3, 25, 6, 10, 18, 24, 7]
+    groups = best_groups(lengths, capacity=64)
+    T = max(sum(lengths[i] for i in g) for g in groups)
+    assert len(groups) * T <= PACK_TOLERANCE * sum(lengths)
+    assert T == 25  # the shortest rows within the tolerance (100 cells), not the 31-token rows of 93 cells
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+
+
 def test_same_document():
     doc = torch.tensor([[0, 0, 0, 1, 1, 2]])
     assert same_document(doc, 1).tolist() == [[True, True, False, True, False, False]]

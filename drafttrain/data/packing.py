@@ -1,7 +1,7 @@
 """Sequence packing: several conversations per row, each its own document (docs/design.md, "Packed rows").
 
 A micro-batch's conversations are placed first-fit-decreasing into rows of at most ``capacity`` tokens
-(the row length that needs the fewest tensor cells: :func:`best_groups`). In
+(the shortest rows within 1.1 tensor cells per real token, else the fewest cells: :func:`best_groups`). In
 the packed batch every token carries its document index (``doc_ids``, per row, from 0) and its position
 inside the document (``position_ids``, restarting at 0). The tail of a row that no document fills is
 padding: ``attention_mask`` 0, ``loss_mask`` 0, a document of its own (its positions restart too), so a
@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from ..io import DraftTrainError
+from .chat import collate
 
 __all__ = ["pack_groups", "best_groups", "collate_packed", "padding_ratio", "lm_inputs", "pack_features"]
 
@@ -45,22 +46,29 @@ def pack_groups(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
+PACK_TOLERANCE = 1.1  # tensor cells per real token a packing may spend to keep its rows short
+
+
 def best_groups(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """The packing of ``lengths`` into rows of at most ``capacity`` tokens (``max(lengths)`` if larger) with
-    the fewest tensor cells ``rows x longest row``; ties go to the shorter rows (attention is quadratic in
-    the row length). Tries first-fit decreasing at the row lengths that split the total evenly, and at the
-    longest example's length, which alone never does worse than one example per padded row."""
+    """The packing of ``lengths`` into rows of at most ``capacity`` tokens (``max(lengths)`` if larger): the
+    shortest rows whose tensor cells (``rows x longest row``) stay within ``PACK_TOLERANCE`` x the real
+    tokens, else the fewest cells (ties to the shorter rows). Short rows matter as much as few cells: the
+    drafter's attention and its document masks grow with the square of the row length, so rows of uniform
+    conversations are left one per row rather than merged into rows of several times their length. Tries
+    first-fit decreasing at the row lengths that split the total evenly, and at the longest example's length,
+    which alone never does worse than one example per padded row."""
     longest, total = max(lengths), sum(lengths)
     cap = max(int(capacity), longest)
     candidates = {longest, cap} | {-(-total // r) for r in range(1, len(lengths) + 1)}
-    best, best_key = None, None
+    options = []
     for c in sorted(x for x in candidates if longest <= x <= cap):
         groups = pack_groups(lengths, c)
         T = max(sum(lengths[i] for i in g) for g in groups)
-        key = (len(groups) * T, T)
-        if best_key is None or key < best_key:
-            best, best_key = groups, key
-    return best
+        options.append((len(groups) * T, T, groups))
+    within = [o for o in options if o[0] <= PACK_TOLERANCE * total]
+    if within:
+        return min(within, key=lambda o: (o[1], o[0]))[2]
+    return min(options, key=lambda o: (o[0], o[1]))[2]
 
 
 def collate_packed(examples: Sequence[dict], pad_id: int, capacity: int) -> dict[str, torch.Tensor]:
@@ -70,7 +78,9 @@ def collate_packed(examples: Sequence[dict], pad_id: int, capacity: int) -> dict
     the rows). Returns ``input_ids``,
     ``attention_mask`` (1 = real token), ``loss_mask``, ``position_ids`` (restart per document and at the
     padding tail), ``doc_ids`` (document index within the row; the padding tail has its own index) and
-    ``slots`` ``[N, 2]``: (row, first column) of each example, in input order.
+    ``slots`` ``[N, 2]``: (row, first column) of each example, in input order. When no row would hold two
+    conversations, the plain right-padded batch of :func:`drafttrain.data.chat.collate` instead (no
+    ``position_ids`` / ``doc_ids`` / ``slots``: the same loss without document masks).
     """
     if not examples:
         raise DraftTrainError("collate_packed: empty batch")
@@ -82,6 +92,8 @@ def collate_packed(examples: Sequence[dict], pad_id: int, capacity: int) -> dict
                                   f"{len(e['loss_mask'])} loss_mask")
     lengths = [len(e["input_ids"]) for e in examples]
     groups = best_groups(lengths, capacity)
+    if all(len(g) == 1 for g in groups):  # nothing to share a row: the plain right-padded batch (no masks)
+        return collate(examples, pad_id)
     T = max(sum(lengths[i] for i in g) for g in groups)
     R = len(groups)
     input_ids = torch.full((R, T), int(pad_id), dtype=torch.long)
