@@ -107,6 +107,9 @@ def run_cell(a, target: str, seed: int, steps: int, methods: list[str]) -> list[
             if (srun / "report.json").exists():
                 s = json.loads((srun / "report.json").read_text())
                 row.update(tau_t07=s["tau"], alpha_t07=s["alpha"])
+        sampled = rep.get("sampled") or {}
+        if "tau_t07" not in row and sampled.get("temperature") == 0.7 and sampled.get("top_p") == 0.9:
+            row.update(tau_t07=sampled["tau"], alpha_t07=sampled["alpha"])  # the run's own sampled row
         rows.append(row)
     return rows
 
@@ -135,17 +138,37 @@ def summary(rows) -> list[str]:
     return lines
 
 
+def sampled_summary(rows) -> list[str]:
+    """α at T 0.7 / top-p 0.9 over α greedy (mean over the seeds that have a sampled row)."""
+    from statistics import mean
+
+    cells: dict = {}
+    for r in rows:
+        if "alpha_t07" in r:
+            cells.setdefault((r["target"], r["steps"], r["method"]), []).append(r["alpha_t07"] / max(r["alpha"], 1e-9))
+    if not cells:
+        return []
+    methods = sorted({m for _, _, m in cells})
+    lines = ["| target | steps | " + " | ".join(methods) + " |", "|---|---|" + "---:|" * len(methods)]
+    for target, steps in sorted({(t, n) for t, n, _ in cells}):
+        vals = [cells.get((target, steps, m)) for m in methods]
+        lines.append(f"| {target} | {steps} | " + " | ".join(
+            "" if not v else f"{mean(v):.2f}" + (f" (n={len(v)})" if len(v) > 1 else "") for v in vals) + " |")
+    return lines
+
+
 def write_table(rows, a, out: Path) -> None:
     K = a.K
     head = ["target", "method", "steps", "seed", "τ", *[f"α@{i + 1}" for i in range(K)], "train s"]
-    if a.sampled:
+    any_sampled = any("tau_t07" in r for r in rows)
+    if any_sampled:
         head += ["τ T0.7/p0.9", "α T0.7 / α greedy"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: (r["target"], r["method"], r["steps"], r["seed"])):
         pp = (list(r["per_position"]) + [float("nan")] * K)[:K]
         cells = [r["target"], r["method"], str(r["steps"]), str(r["seed"]), f"{r['tau']:.2f}", *[f"{x:.2f}" for x in pp],
                  f"{r['train_s']:.0f}" if r["train_s"] else "–"]
-        if a.sampled:
+        if any_sampled:
             cells += [f"{r['tau_t07']:.2f}", f"{r['alpha_t07'] / max(r['alpha'], 1e-9):.2f}"] if "tau_t07" in r \
                 else ["", ""]
         lines.append("| " + " | ".join(cells) + " |")
@@ -155,7 +178,10 @@ def write_table(rows, a, out: Path) -> None:
             f"tokens; every run: {a.batch_size} sequences per step of the same {a.num_train} target-regenerated chats "
             f"(max length {a.max_length}); α@i = acceptance at position i. All greedy outputs equal AR: "
             f"{all(r['outputs_match'] for r in rows)}.\n\nMean τ over seeds (min–max, number of seeds):\n\n"
-            + "\n".join(summary(rows)) + "\n\nEvery run:\n\n" + "\n".join(lines) + f"\n{end}")
+            + "\n".join(summary(rows))
+            + ("\n\nSampling: α at T 0.7 / top-p 0.9 over greedy α (mean over seeds):\n\n" + "\n".join(sampled_summary(rows))
+               if sampled_summary(rows) else "")
+            + "\n\nEvery run:\n\n" + "\n".join(lines) + f"\n{end}")
     if begin in text and end in text:
         text = text[: text.index(begin)] + body + text[text.index(end) + len(end):]
     else:
