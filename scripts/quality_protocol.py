@@ -199,8 +199,10 @@ def plot(rows, png: Path) -> None:
 
     targets = sorted({r["target"] for r in rows})
     fig, axes = plt.subplots(1, len(targets), figsize=(6 * len(targets), 4), squeeze=False)
+    methods = sorted({r["method"] for r in rows})
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}  # one colour per method in every panel
     for ax, target in zip(axes[0], targets):
-        for m in sorted({r["method"] for r in rows}):
+        for m in methods:
             by_steps: dict = {}
             for r in rows:
                 if r["method"] == m and r["target"] == target:
@@ -210,7 +212,7 @@ def plot(rows, png: Path) -> None:
             xs = sorted(by_steps)
             ys = [mean(by_steps[x]) for x in xs]
             err = [[y - min(by_steps[x]) for x, y in zip(xs, ys)], [max(by_steps[x]) - y for x, y in zip(xs, ys)]]
-            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=m)
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=m, color=colors[m])
         ax.set_title(f"target={target}")
         ax.set_xlabel("optimizer steps (16 sequences each)")
         ax.set_ylabel("τ (greedy, K = 4; mean, min–max over seeds)")
