@@ -158,15 +158,8 @@ class SpecDecoder:
         """
         if seed is not None:
             self.generator.manual_seed(seed)
-        if eos_token_id is None:
-            eos = set()
-        elif isinstance(eos_token_id, int):
-            eos = {eos_token_id}
-        else:
-            eos = {int(t) for t in eos_token_id}
-        if grammar is not None:
-            eos = eos | set(grammar.compiled.stop_token_ids)
-        K, sp, target, proposer = self.K, self.sampling, self.target, self.proposer
+        eos = _stop_tokens(eos_token_id, grammar)
+        K, target, proposer = self.K, self.target, self.proposer
         gkw = {"grammar": grammar} if grammar is not None and getattr(proposer, "grammar_aware", False) else {}
         res = GenerationResult(
             tokens=[], drafted_per_position=[0] * K, reached_per_position=[0] * K, accepted_per_position=[0] * K
@@ -180,9 +173,36 @@ class SpecDecoder:
         t_target0 = target.time_forward
         self._time_draft = self._time_grammar = 0.0
 
-        # prefill: the target reads the prompt and produces the first (pending) token
+        first, taps = self._prefill(prompt, grammar, eos)
+        tokens = prompt + [first]
+        res.tokens.append(first)
+        done = first in eos
+        if not done and max_new_tokens > 1:
+            self._timed(proposer.prefill, prompt, taps, first)
+        round_fn = self._tree_round if self.tree else self._chain_round
+        while not done and len(res.tokens) < max_new_tokens:
+            room = target.max_len - target.length - 1  # positions left after the pending token
+            if room < 0:
+                break
+            k = min(K, max_new_tokens - len(res.tokens) - 1, room)  # a round commits at most k + 1 tokens
+            a, committed, taps = round_fn(tokens, k, room, res, grammar, gkw, eos)
+            tokens.extend(committed)
+            done = _commit(res, committed, eos)
+            if not done and len(res.tokens) < max_new_tokens:
+                self._timed(proposer.accept, tokens, a, taps)
+
+        res.time_total = time.perf_counter() - t_start
+        res.time_target = target.time_forward - t_target0
+        res.time_draft = self._time_draft
+        res.time_grammar = self._time_grammar
+        res.lossy = self.typical
+        return res
+
+    def _prefill(self, prompt: list[int], grammar, stops: set[int]):
+        """The target reads the prompt and produces the first (pending) token; returns it and the prompt's taps."""
+        sp, target = self.sampling, self.target
         target.reset()
-        self._timed(proposer.reset)
+        self._timed(self.proposer.reset)
         logits, taps = target.forward(prompt, last_only=True)
         last = logits[-1]
         if grammar is not None:
@@ -194,94 +214,61 @@ class SpecDecoder:
             self._time_grammar += time.perf_counter() - t0
         first = int(last.argmax()) if sp.greedy else int(sample(sp.process(last), self.generator))
         if grammar is not None:
-            self._grammar_commit(grammar, [first], eos)
-        tokens = prompt + [first]
-        new = res.tokens
-        new.append(first)
-        done = first in eos
-        if not done and max_new_tokens > 1:
-            self._timed(proposer.prefill, prompt, taps, first)
+            self._grammar_commit(grammar, [first], stops)
+        return first, taps
 
-        while not done and len(new) < max_new_tokens:
-            room = target.max_len - target.length - 1  # positions left after the pending token
-            if room < 0:
-                break
-            k = min(K, max_new_tokens - len(new) - 1, room)  # a round commits at most k + 1 tokens
-            if self.tree:
-                a, committed, taps = self._tree_round(tokens, k, room, res, grammar, gkw, eos)
-                tokens.extend(committed)
-                for tok in committed:
-                    new.append(tok)
-                    res.num_round_tokens += 1
-                    if tok in eos:
-                        done = True
-                        break
-                if not done and len(new) < max_new_tokens:
-                    self._timed(proposer.accept, tokens, a, taps)
-                continue
-            drafts, q = self._timed(proposer.propose, tokens, k, self.draft_sampling, **gkw) if k > 0 else ([], None)
-            # drafts may be a device tensor: they stay on the device until the round's one host sync
-            if isinstance(drafts, torch.Tensor):
-                d = drafts.reshape(-1)[:k].to(device=target.device, dtype=torch.long)
-            else:
-                d = torch.tensor([int(t) for t in drafts[:k]], dtype=torch.long, device=target.device)
-            masks = None
-            if grammar is not None:  # (a host sync: the grammar lives on the host)
-                d, masks = self._grammar_chain(grammar, d)
-            n = d.shape[0]
-            pending = torch.tensor([tokens[-1]], dtype=torch.long, device=target.device)
-            logits, taps = target.forward(torch.cat([pending, d]))  # [n+1, V]
-            if masks is not None:
-                logits = _constrain(logits, masks)
-            if sp.greedy:
-                a, b = verify_chain_greedy(d, logits, device_result=True)
-            elif self.typical:
-                path, b = verify_tree_typical(DraftTree.chain(d.tolist()), sp.process(logits), self.typical_epsilon,
-                                              self.typical_delta, self.generator)
-                a, b = torch.tensor(len(path)), torch.tensor(b)
-            else:
-                p = sp.process(logits)
-                V = p.shape[-1]
-                if q is None:  # deterministic drafts: q is one-hot
-                    q = torch.nn.functional.one_hot(d.to(p.device), V).float()
-                elif q.dim() != 2 or q.shape[0] < n or q.shape[1] != V:
-                    raise ValueError(f"proposer {proposer.name!r} returned q {tuple(q.shape)}, expected ({n}, {V})")
-                a, b = verify_chain_sampling(d, q[:n], p, self.generator, device_result=True)
-            a, b = (torch.as_tensor(x).reshape(1).to(device=d.device, dtype=torch.long) for x in (a, b))
-            host = torch.cat([a, b, d]).tolist()  # the round's one host sync
-            a, b, drafts = host[0], host[1], host[2:]
-            target.truncate(len(tokens) + a)  # keep x_0..x_{n-1} (incl. the old pending) and d_1..d_a
+    def _chain_round(self, tokens: list[int], k: int, room: int, res: GenerationResult, grammar=None,
+                     gkw: dict | None = None, stops: set[int] = frozenset()):
+        """One chain round: draft up to ``k`` tokens, verify them in one target forward, truncate the cache.
 
-            res.num_rounds += 1
-            res.num_drafted += n
-            res.num_tree_nodes += n
-            res.num_accepted += a
-            for i in range(n):
-                res.drafted_per_position[i] += 1
-            for i in range(min(a + 1, n)):
-                res.reached_per_position[i] += 1
-            for i in range(a):
-                res.accepted_per_position[i] += 1
+        Returns ``(a, committed tokens, target taps at [pending, d_1..d_a])``.
+        """
+        target = self.target
+        drafts, q = self._timed(self.proposer.propose, tokens, k, self.draft_sampling, **(gkw or {})) if k > 0 \
+            else ([], None)
+        # drafts may be a device tensor: they stay on the device until the round's one host sync
+        if isinstance(drafts, torch.Tensor):
+            d = drafts.reshape(-1)[:k].to(device=target.device, dtype=torch.long)
+        else:
+            d = torch.tensor([int(t) for t in drafts[:k]], dtype=torch.long, device=target.device)
+        masks = None
+        if grammar is not None:  # (a host sync: the grammar lives on the host)
+            d, masks = self._grammar_chain(grammar, d)
+        n = d.shape[0]
+        pending = torch.tensor([tokens[-1]], dtype=torch.long, device=target.device)
+        logits, taps = target.forward(torch.cat([pending, d]))  # [n+1, V]
+        if masks is not None:
+            logits = _constrain(logits, masks)
+        a, b = self._verify_chain(d, q, logits)
+        host = torch.cat([a, b, d]).tolist()  # the round's one host sync
+        a, b, drafts = host[0], host[1], host[2:]
+        target.truncate(len(tokens) + a)  # keep x_0..x_{n-1} (incl. the old pending) and d_1..d_a
+        _record_round(res, n, n, a)
+        committed = drafts[:a] + [b]
+        if grammar is not None:
+            self._grammar_commit(grammar, committed, stops)
+        return a, committed, None if taps is None else taps[: a + 1]
 
-            committed = drafts[:a] + [b]
-            if grammar is not None:
-                self._grammar_commit(grammar, committed, eos)
-            tokens.extend(committed)
-            for tok in committed:
-                new.append(tok)
-                res.num_round_tokens += 1
-                if tok in eos:
-                    done = True
-                    break
-            if not done and len(new) < max_new_tokens:
-                self._timed(proposer.accept, tokens, a, None if taps is None else taps[: a + 1])
-
-        res.time_total = time.perf_counter() - t_start
-        res.time_target = target.time_forward - t_target0
-        res.time_draft = self._time_draft
-        res.time_grammar = self._time_grammar
-        res.lossy = self.typical
-        return res
+    def _verify_chain(self, d: torch.Tensor, q, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accepted count ``a`` and the target's token ``b`` for the chain ``d`` (device tensors of shape [1])."""
+        sp = self.sampling
+        n = d.shape[0]
+        if sp.greedy:
+            a, b = verify_chain_greedy(d, logits, device_result=True)
+        elif self.typical:
+            path, b = verify_tree_typical(DraftTree.chain(d.tolist()), sp.process(logits), self.typical_epsilon,
+                                          self.typical_delta, self.generator)
+            a, b = torch.tensor(len(path)), torch.tensor(b)
+        else:
+            p = sp.process(logits)
+            V = p.shape[-1]
+            if q is None:  # deterministic drafts: q is one-hot
+                q = torch.nn.functional.one_hot(d.to(p.device), V).float()
+            elif q.dim() != 2 or q.shape[0] < n or q.shape[1] != V:
+                raise ValueError(f"proposer {self.proposer.name!r} returned q {tuple(q.shape)}, expected ({n}, {V})")
+            a, b = verify_chain_sampling(d, q[:n], p, self.generator, device_result=True)
+        a, b = (torch.as_tensor(x).reshape(1).to(device=d.device, dtype=torch.long) for x in (a, b))
+        return a, b
 
     # ------------------------------------------------------------------------------------------ grammar
     def _grammar_chain(self, grammar, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,22 +334,51 @@ class SpecDecoder:
         a = len(path)
         keep = [0] + path
         target.keep([L0 + i for i in keep], start=L0)
-        depth = tree.depth
-        res.num_rounds += 1
-        res.num_drafted += depth  # draft positions offered (one per depth), so alpha is comparable to chains
-        res.num_tree_nodes += tree.num_nodes
-        res.num_accepted += a
-        for i in range(depth):
-            res.drafted_per_position[i] += 1
-        for i in range(min(a + 1, depth)):
-            res.reached_per_position[i] += 1
-        for i in range(a):
-            res.accepted_per_position[i] += 1
+        # draft positions offered: one per depth, so alpha is comparable to chains
+        _record_round(res, tree.depth, tree.num_nodes, a)
         committed = [tree.tokens[i - 1] for i in path] + [b]
         if grammar is not None:
             self._grammar_commit(grammar, committed, stops)
         kept_taps = None if taps is None else taps[torch.tensor(keep, device=taps.device)]
         return a, committed, kept_taps
+
+
+def _stop_tokens(eos_token_id, grammar) -> set[int]:
+    """The tokens that end the output: ``eos_token_id`` (one id, several or None) and the grammar's stop tokens."""
+    if eos_token_id is None:
+        eos = set()
+    elif isinstance(eos_token_id, int):
+        eos = {eos_token_id}
+    else:
+        eos = {int(t) for t in eos_token_id}
+    if grammar is not None:
+        eos = eos | set(grammar.compiled.stop_token_ids)
+    return eos
+
+
+def _commit(res: GenerationResult, committed: list[int], stops: set[int]) -> bool:
+    """Append a round's committed tokens to the output, up to and including a stop token; True when one ended it."""
+    for tok in committed:
+        res.tokens.append(tok)
+        res.num_round_tokens += 1
+        if tok in stops:
+            return True
+    return False
+
+
+def _record_round(res: GenerationResult, positions: int, nodes: int, a: int) -> None:
+    """Count one verify round: ``positions`` draft positions offered (chain length; tree depth), ``nodes``
+    draft nodes verified, ``a`` accepted."""
+    res.num_rounds += 1
+    res.num_drafted += positions
+    res.num_tree_nodes += nodes
+    res.num_accepted += a
+    for i in range(positions):
+        res.drafted_per_position[i] += 1
+    for i in range(min(a + 1, positions)):
+        res.reached_per_position[i] += 1
+    for i in range(a):
+        res.accepted_per_position[i] += 1
 
 
 def _constrain(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
