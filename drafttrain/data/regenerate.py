@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import fcntl
 import json
 import os
@@ -161,18 +162,117 @@ def _finish(conv: Conversation, state: dict) -> dict:
     return row
 
 
+def _as_conversations(convs) -> list[Conversation]:
+    return [
+        c if isinstance(c, Conversation) else Conversation(messages=list(c), line=i + 1) for i, c in enumerate(convs)
+    ]
+
+
+@dataclasses.dataclass
+class _Generation:
+    """The target and the generation settings every chunk uses."""
+
+    model: Any
+    tokenizer: Any
+    gc: Any  # transformers.GenerationConfig
+    eos_ids: list[int]
+    pad_id: int
+    max_pos: int | None  # the model's positions (None: unknown)
+    max_new_tokens: int
+    drop_truncated: bool
+
+    @classmethod
+    def of(cls, model, tokenizer, max_new_tokens: int, temperature: float, top_p: float, drop_truncated: bool):
+        eos_ids = eos_token_ids(model, tokenizer)
+        pad_id = _pad_id(tokenizer, eos_ids)
+        gc = _generation_config(model, max_new_tokens, temperature, top_p, pad_id, eos_ids)
+        return cls(model, tokenizer, gc, eos_ids, pad_id, _max_positions(model), int(max_new_tokens),
+                   bool(drop_truncated))
+
+
+def _turn_prompts(gen: _Generation, state: dict, ask: list[int]) -> tuple[list[list[int]], list[int]]:
+    """The prompts of the next assistant turn of the conversations ``ask``; a prompt that does not fit the model's
+    positions ends its conversation instead. Returns ``(prompts, asked)``."""
+    prompts, asked = [], []
+    for i in ask:
+        # everything so far (earlier regenerated turns included) + the generation prompt; the
+        # placeholder answer marks where the prompt ends (prompt_ids cuts at the last assistant turn)
+        p = prompt_ids(gen.tokenizer, [*state[i]["messages"], {"role": "assistant", "content": ""}])
+        if gen.max_pos is not None and len(p) + gen.max_new_tokens > gen.max_pos:
+            _stop(
+                state[i],
+                f"prompt is {len(p)} tokens; with max_new_tokens={gen.max_new_tokens} that exceeds the "
+                f"model's {gen.max_pos} positions",
+            )
+        else:
+            prompts.append(p)
+            asked.append(i)
+    return prompts, asked
+
+
+def _take_answers(gen: _Generation, state: dict, asked: list[int], answers, todo: set[int], stats: dict) -> None:
+    """Append each generated answer to its conversation (counted when the row is to be written); an empty or
+    (``drop_truncated``) truncated answer ends the conversation."""
+    for i, (text, n_new, finished) in zip(asked, answers):
+        s = state[i]
+        s["pending"].pop(0)
+        if i in todo:
+            stats["turns"] += 1
+            stats["new_tokens"] += n_new
+            stats["truncated_turns"] += not finished
+        s["truncated"] += not finished
+        if not finished and gen.drop_truncated:
+            dropped = _stop(s, f"the target's answer stopped at max_new_tokens={gen.max_new_tokens} "
+                               "(drop_truncated)")
+            s["cut"] = "dropped" if dropped else "cut"
+        elif text.strip():
+            s["messages"].append({"role": "assistant", "content": text})
+        else:
+            _stop(s, "the target's answer is empty")
+
+
+def _regenerate_chunk(gen: _Generation, convs: list[Conversation], chunk: list[int], todo: set[int],
+                      stats: dict) -> dict:
+    """Regenerate the conversations ``chunk``, turn r of all of them in one batch (r = 0, 1, ...); their states.
+    The whole chunk is generated even if part of it is done: same batches as an uninterrupted run."""
+    state = {i: {"messages": [], "dropped": None, "pending": list(convs[i].messages), "truncated": 0,
+                 "cut": None} for i in chunk}
+    while True:
+        ask = []
+        for i in chunk:
+            s = state[i]
+            while s["pending"] and s["pending"][0]["role"] != "assistant":
+                s["messages"].append(dict(s["pending"].pop(0)))
+            if s["pending"]:
+                ask.append(i)
+        if not ask:
+            return state
+        prompts, asked = _turn_prompts(gen, state, ask)
+        if asked:
+            answers = _generate_batch(gen.model, gen.tokenizer, prompts, gen.gc, gen.eos_ids, gen.pad_id)
+            _take_answers(gen, state, asked, answers, todo, stats)
+
+
+def _chunk_rows(convs: list[Conversation], chunk: list[int], state: dict, todo: set[int], stats: dict) -> list:
+    """The output rows ``(index, row)`` of a regenerated chunk's conversations to be written, counted in ``stats``."""
+    out = []
+    for i in chunk:
+        if i not in todo:
+            continue
+        row = _finish(convs[i], state[i])
+        stats["rows"] += 1
+        stats["dropped"] += "dropped" in row
+        stats["truncated_rows"] += state[i]["truncated"] > 0
+        stats["truncated_dropped"] += state[i]["cut"] == "dropped"
+        stats["truncated_cut"] += state[i]["cut"] == "cut"
+        out.append((i, row))
+    return out
+
+
 def regenerate_conversations(
-    model,
-    tokenizer,
-    convs: Sequence[Conversation | Sequence[dict]],
-    batch_size: int = 16,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    progress: bool = True,
-    skip: Callable[[int], bool] | None = None,
-    on_row: Callable[[int, dict], None] | None = None,
+    model, tokenizer, convs: Sequence[Conversation | Sequence[dict]], batch_size: int = 16, max_new_tokens: int = 256,
+    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, progress: bool = True,
+    skip: Callable[[int], bool] | None = None, on_row: Callable[[int, dict], None] | None = None,
     drop_truncated: bool = False,
 ) -> tuple[list[dict], dict[str, Any]]:
     """Regenerate the assistant turns of ``convs`` in memory.
@@ -186,9 +286,7 @@ def regenerate_conversations(
     new_tokens, seconds, max_new_tokens, drop_truncated.
     """
     _validate_settings(batch_size, max_new_tokens, temperature, top_p)
-    convs = [
-        c if isinstance(c, Conversation) else Conversation(messages=list(c), line=i + 1) for i, c in enumerate(convs)
-    ]
+    convs = _as_conversations(convs)
     todo = {i for i in range(len(convs)) if not (skip is not None and skip(i))}
     stats: dict[str, Any] = {"rows": 0, "dropped": 0, "turns": 0, "truncated_turns": 0, "truncated_rows": 0,
                              "truncated_dropped": 0, "truncated_cut": 0, "new_tokens": 0,
@@ -198,10 +296,7 @@ def regenerate_conversations(
         return [], stats
     if model is None:
         raise DraftTrainError(f"{len(todo)} conversations need regenerating but no target model was given")
-    eos_ids = eos_token_ids(model, tokenizer)
-    pad_id = _pad_id(tokenizer, eos_ids)
-    gc = _generation_config(model, max_new_tokens, temperature, top_p, pad_id, eos_ids)
-    max_pos = _max_positions(model)
+    gen = _Generation.of(model, tokenizer, max_new_tokens, temperature, top_p, drop_truncated)
     device = _model_device(model)
     rows: list[dict] = []
     t0 = time.time()
@@ -217,62 +312,9 @@ def regenerate_conversations(
             chunk = list(range(start, min(start + batch_size, len(convs))))
             if not todo.intersection(chunk):
                 continue
-            # The whole chunk is generated even if part of it is done: same batches as an uninterrupted run.
-            state = {i: {"messages": [], "dropped": None, "pending": list(convs[i].messages), "truncated": 0,
-                         "cut": None} for i in chunk}
             with _seeded(seed * 1_000_003 + start, device):
-                while True:
-                    ask = []
-                    for i in chunk:
-                        s = state[i]
-                        while s["pending"] and s["pending"][0]["role"] != "assistant":
-                            s["messages"].append(dict(s["pending"].pop(0)))
-                        if s["pending"]:
-                            ask.append(i)
-                    if not ask:
-                        break
-                    prompts, asked = [], []
-                    for i in ask:
-                        # everything so far (earlier regenerated turns included) + the generation prompt; the
-                        # placeholder answer marks where the prompt ends (prompt_ids cuts at the last assistant turn)
-                        p = prompt_ids(tokenizer, [*state[i]["messages"], {"role": "assistant", "content": ""}])
-                        if max_pos is not None and len(p) + max_new_tokens > max_pos:
-                            _stop(
-                                state[i],
-                                f"prompt is {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
-                                f"model's {max_pos} positions",
-                            )
-                        else:
-                            prompts.append(p)
-                            asked.append(i)
-                    if not asked:
-                        continue
-                    answers = _generate_batch(model, tokenizer, prompts, gc, eos_ids, pad_id)
-                    for i, (text, n_new, finished) in zip(asked, answers):
-                        s = state[i]
-                        s["pending"].pop(0)
-                        if i in todo:
-                            stats["turns"] += 1
-                            stats["new_tokens"] += n_new
-                            stats["truncated_turns"] += not finished
-                        s["truncated"] += not finished
-                        if not finished and drop_truncated:
-                            dropped = _stop(s, f"the target's answer stopped at max_new_tokens={max_new_tokens} "
-                                               "(drop_truncated)")
-                            s["cut"] = "dropped" if dropped else "cut"
-                        elif text.strip():
-                            s["messages"].append({"role": "assistant", "content": text})
-                        else:
-                            _stop(s, "the target's answer is empty")
-            for i in chunk:
-                if i not in todo:
-                    continue
-                row = _finish(convs[i], state[i])
-                stats["rows"] += 1
-                stats["dropped"] += "dropped" in row
-                stats["truncated_rows"] += state[i]["truncated"] > 0
-                stats["truncated_dropped"] += state[i]["cut"] == "dropped"
-                stats["truncated_cut"] += state[i]["cut"] == "cut"
+                state = _regenerate_chunk(gen, convs, chunk, todo, stats)
+            for i, row in _chunk_rows(convs, chunk, state, todo, stats):
                 rows.append(row)
                 if on_row is not None:
                     on_row(i, row)
@@ -415,6 +457,31 @@ def _exclusive(out_path: Path, wait: bool):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _index_by_id(convs: list[Conversation]) -> dict[str, int]:
+    """Row key -> index; every row needs an id (or line number), unique in the input."""
+    index: dict[str, int] = {}
+    for i, c in enumerate(convs):
+        k = _row_key(c.row_id)
+        if c.row_id is None:
+            raise DraftTrainError(f"{c.where}: conversation has no id and no line number; cannot resume by id")
+        if k in index:
+            raise DraftTrainError(f"{c.where}: duplicate id {c.row_id!r} (also {convs[index[k]].where})")
+        index[k] = i
+    return index
+
+
+def _done_rows(out_path: Path, index: dict[str, int]) -> set[int]:
+    """Indices of the input rows already in ``out_path`` (a row of another dataset there is an error)."""
+    done_keys = _recover_output(out_path)
+    for k, where in done_keys:
+        if k not in index:
+            raise DraftTrainError(
+                f"{where}: row id {json.loads(k)!r} is not in the input; the output belongs to another dataset — "
+                "delete it or pick another output path"
+            )
+    return {index[k] for k, _ in done_keys}
+
+
 def regenerate_to_jsonl(
     model,
     tokenizer,
@@ -433,28 +500,12 @@ def regenerate_to_jsonl(
     ``already_done`` (rows found in the output) and ``total``."""
     _validate_settings(batch_size, max_new_tokens, temperature, top_p)
     out_path = Path(out_path)
-    convs = [
-        c if isinstance(c, Conversation) else Conversation(messages=list(c), line=i + 1) for i, c in enumerate(convs)
-    ]
-    index: dict[str, int] = {}
-    for i, c in enumerate(convs):
-        k = _row_key(c.row_id)
-        if c.row_id is None:
-            raise DraftTrainError(f"{c.where}: conversation has no id and no line number; cannot resume by id")
-        if k in index:
-            raise DraftTrainError(f"{c.where}: duplicate id {c.row_id!r} (also {convs[index[k]].where})")
-        index[k] = i
+    convs = _as_conversations(convs)
+    index = _index_by_id(convs)
     settings = _settings(model, max_new_tokens, temperature, top_p, seed, batch_size, drop_truncated)
     meta_path = out_path.with_name(out_path.name + META_SUFFIX)
     with _exclusive(out_path, wait_for_lock):
-        done_keys = _recover_output(out_path)
-        for k, where in done_keys:
-            if k not in index:
-                raise DraftTrainError(
-                    f"{where}: row id {json.loads(k)!r} is not in the input; the output belongs to another dataset — "
-                    "delete it or pick another output path"
-                )
-        done = {index[k] for k, _ in done_keys}
+        done = _done_rows(out_path, index)
         _check_meta(meta_path, settings, bool(done))
         if len(done) < len(convs):
             if model is None:
@@ -470,18 +521,9 @@ def regenerate_to_jsonl(
                 f.flush()
 
             _, stats = regenerate_conversations(
-                model,
-                tokenizer,
-                convs,
-                batch_size=batch_size,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=seed,
-                progress=progress,
-                skip=done.__contains__,
-                on_row=on_row,
-                drop_truncated=drop_truncated,
+                model, tokenizer, convs, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                temperature=temperature, top_p=top_p, seed=seed, progress=progress, skip=done.__contains__,
+                on_row=on_row, drop_truncated=drop_truncated,
             )
             os.fsync(f.fileno())
     stats["already_done"] = len(done)
