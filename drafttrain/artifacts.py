@@ -1,6 +1,16 @@
-"""Saved drafters as eval and export read them: a training checkpoint as a drafter directory
-(:func:`drafter_dir`) and a saved Medusa-1 / Medusa-2 drafter with the target it verifies with
-(:func:`load_medusa`).
+"""Saved drafters: the one module that knows their on-disk layouts and loads every one of them.
+
+Layout facts (file names, config keys, ``drafter_type`` values) are written here once; the drafters'
+``save_pretrained`` methods take them from here. Loaders:
+
+- :func:`load_drafter` -- any saved drafter that decodes on its own: ``eagle3`` (``Eagle3Drafter``),
+  ``draft_lm`` (a plain HF causal LM, recipe=distill) and the vLLM / SGLang EAGLE-3 exports
+  (:func:`load_exported_eagle3`); Medusa drafters are refused there (they come with their target);
+- :func:`load_medusa` -- a Medusa-1 / Medusa-2 drafter with the target it verifies with (Medusa-2: adapter
+  merged into the target); :func:`load_medusa_heads` -- only the heads (``medusa.init_heads``);
+- :func:`load_eagle3` -- an EAGLE-3 drafter for ``drafttrain bench`` / ``tune`` (None without a path);
+- :func:`load_draft_model` -- a draft causal LM and its tokenizer by name (``builtin-small`` or a directory);
+- :func:`drafter_dir` -- a training checkpoint as a drafter directory.
 
 ``drafttrain eval|export drafter=<run>/checkpoints/step_N``: a checkpoint (drafttrain.training.checkpoint)
 holds the trainable weights and the job's config, not a drafter directory: the frozen embedding is rebuilt
@@ -9,19 +19,52 @@ the recorded target), the checkpoint's weights are loaded into it, and it is sav
 ``<checkpoint>/drafter`` (a normal saved-drafter directory that eval, export and the engines read); later
 calls reuse it. Telling a checkpoint apart (its state file) and rebuilding its drafter (the training method's
 ``build_drafter``) use ``drafttrain.training``, imported only then: a saved drafter directory never imports it.
+
+Drafter modules import this one at their top; this one imports them only inside functions (no cycle).
+
+Exported EAGLE-3 layouts (written by drafttrain.export.eagle3; shared/reference/speculators-modelopt-serving-
+formats.md §2): ``vllm``, the speculators layout (``speculators_model_type: eagle3``, a nested
+``transformer_layer_config``, the verifier in ``speculators_config``) and ``sglang``, the flat
+``LlamaForCausalLMEagle3`` layout (``eagle_config.eagle_aux_hidden_state_layer_ids`` = ids - 1).
+:func:`load_exported_eagle3` reads either back, including checkpoints written by speculators itself (whose
+trainer defaults to ``norm_before_residual``, ``norm_before_fc`` and ``norm_output`` all true), with vLLM's
+reading of every flag, so such a drafter is scored here as vLLM would serve it.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from .drafters.medusa import MEDUSA2_TYPE, MedusaHeads
-from .io import DraftTrainError, read_json
-from .lora import load_lora
+import torch
 
-__all__ = ["DRAFTER_SUBDIR", "is_checkpoint", "drafter_dir", "load_medusa"]
+from .io import DraftTrainError, check_state_dict, load_tensors, read_json
 
-DRAFTER_SUBDIR = "drafter"
+__all__ = [
+    "CONFIG_NAME", "WEIGHTS_NAME", "TYPE_KEY", "TARGET_KEY", "EAGLE3_TYPE", "MEDUSA_TYPE", "MEDUSA2_TYPE",
+    "DRAFT_LM_TYPE", "DRAFTER_TYPES", "HEADS_KEY", "ADAPTER_KEY", "HEADS_DIR", "ADAPTER_DIR", "DRAFTER_SUBDIR",
+    "drafter_type", "is_checkpoint", "drafter_dir", "load_drafter", "load_medusa", "load_medusa_heads",
+    "load_eagle3", "load_draft_lm", "load_draft_model", "exported_layout", "exported_target",
+    "load_exported_eagle3", "NORM_FLAGS",
+]
+
+# ------------------------------------------------------------------------------------------ layout facts
+CONFIG_NAME = "config.json"  # every saved drafter directory: the drafter's config (drafter_type below)
+WEIGHTS_NAME = "model.safetensors"  # eagle3 / medusa heads / exported EAGLE-3 tensors (HF names its own)
+TYPE_KEY = "drafter_type"  # config.json key naming the drafter family (absent in an exported EAGLE-3 layout)
+TARGET_KEY = "target_name_or_path"  # config.json key: the target the drafter was trained for
+EAGLE3_TYPE = "eagle3"  # Eagle3Drafter: config.json (+ Eagle3Config fields) + model.safetensors
+MEDUSA_TYPE = "medusa"  # MedusaHeads: vLLM's Medusa layout (config.json + model.safetensors)
+MEDUSA2_TYPE = "medusa2"  # config.json pointing at HEADS_DIR (a medusa directory) and ADAPTER_DIR (peft LoRA)
+DRAFT_LM_TYPE = "draft_lm"  # a plain HF causal LM directory (save_pretrained) + the target's tokenizer
+DRAFTER_TYPES = (EAGLE3_TYPE, MEDUSA_TYPE, MEDUSA2_TYPE, DRAFT_LM_TYPE)
+HEADS_KEY, ADAPTER_KEY = "heads", "adapter"  # medusa2 config.json keys naming its two subdirectories
+HEADS_DIR, ADAPTER_DIR = "heads", "adapter"  # their names (also draft_lm's adapter/ with distill.use_lora)
+DRAFTER_SUBDIR = "drafter"  # <checkpoint>/drafter: a training checkpoint's drafter, built on first use
+
+
+def drafter_type(path) -> str | None:
+    """The ``drafter_type`` of the saved drafter at ``path`` (None for an exported EAGLE-3 layout)."""
+    return read_json(Path(path) / CONFIG_NAME).get(TYPE_KEY)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -35,10 +78,10 @@ def is_checkpoint(path) -> bool:
 def drafter_dir(path) -> Path:
     """``path`` itself for a saved drafter; for a training checkpoint, its drafter (built on first use)."""
     p = Path(path)
-    if (p / "config.json").exists() or not is_checkpoint(p):
+    if (p / CONFIG_NAME).exists() or not is_checkpoint(p):
         return p
     out = p / DRAFTER_SUBDIR
-    if (out / "config.json").exists():
+    if (out / CONFIG_NAME).exists():
         return out
     _materialize(p, out)
     return out
@@ -50,7 +93,7 @@ def _materialize(ckpt: Path, out: Path) -> None:
     from .config import TrainJob
     from .targets.load import load_target, target_id
     from .training.checkpoint import STATE, load_drafter_weights, read_checkpoint_meta
-    from .training.loop import make_method
+    from .training.method import make_method
 
     meta = read_checkpoint_meta(ckpt)
     if not isinstance(meta.get("config"), dict):
@@ -67,23 +110,101 @@ def _materialize(ckpt: Path, out: Path) -> None:
     drafter.save_pretrained(out)
 
 
+# ------------------------------------------------------------------------------------------ any drafter
+def load_drafter(path: str, device, target_model=None):
+    """The saved drafter at ``path`` on ``device``: an ``Eagle3Drafter`` (``eagle3``, or a vLLM / SGLang
+    export, whose embedding comes from ``target_model`` when the export has none) or an HF causal LM
+    (``draft_lm``). Medusa drafters are loaded with their target (:func:`load_medusa`)."""
+    cfg = read_json(Path(path) / CONFIG_NAME)
+    kind = cfg.get(TYPE_KEY)
+    if kind is None and exported_layout(cfg):  # `drafttrain export` output (vLLM / SGLang EAGLE-3 layouts)
+        return load_exported_eagle3(path, target_model=target_model, device=device)
+    if kind == EAGLE3_TYPE:
+        from .drafters.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter.from_pretrained(path, device=device)
+    if kind == DRAFT_LM_TYPE:  # recipe=distill: a plain HF causal LM directory
+        return load_draft_lm(path, device)
+    if kind in (MEDUSA_TYPE, MEDUSA2_TYPE):
+        raise DraftTrainError(f"{path}: a {kind} drafter is loaded with its target (drafttrain.artifacts."
+                              "load_medusa)")
+    raise DraftTrainError(f"{path}/{CONFIG_NAME}: unknown drafter_type {kind!r}")
+
+
+def load_draft_lm(path, device):
+    """A saved ``draft_lm`` drafter (a plain HF causal LM directory) in eval mode on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path).eval().to(device)
+    except (OSError, ValueError) as e:
+        raise DraftTrainError(f"{path}: cannot load the draft model ({e})".splitlines()[0]) from None
+
+
+def load_eagle3(path, model):
+    """``drafttrain bench`` / ``tune``'s EAGLE-3 drafter: None without ``path``; else the saved drafter on
+    ``model``'s device, refused unless it is an EAGLE-3 drafter."""
+    if not path:
+        return None
+    if not (Path(path) / CONFIG_NAME).exists():
+        raise DraftTrainError(f"drafter={path}: not a saved drafter directory (no config.json)")
+    d = load_drafter(path, next(model.parameters()).device)
+    if not hasattr(d, "fuse"):
+        raise DraftTrainError(f"drafter={path}: bench runs EAGLE-3 drafters (decode.method=eagle3)")
+    return d.eval()
+
+
+def load_draft_model(name: str, target_cfg, device):
+    """A draft causal LM and its tokenizer: ``builtin-small`` (the built-in target's 2-layer sibling,
+    built on first use) or an HF model directory. Returns ``(model, tokenizer, path)``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name == "builtin-small":
+        from .targets.builtin import builtin_small_draft
+
+        path = builtin_small_draft(target_cfg)
+    else:
+        path = Path(name)
+    if not (Path(path) / CONFIG_NAME).exists():
+        raise DraftTrainError(f"draft_model={name}: no config.json in {path}")
+    model = AutoModelForCausalLM.from_pretrained(str(path)).eval().to(device)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return model, tok, str(path)
+
+
 # ------------------------------------------------------------------------------------------ Medusa
+def _medusa_heads_dir(path: Path, cfg: dict) -> Path:
+    """The heads directory of a saved Medusa drafter: itself (medusa) or its ``heads`` subdirectory (medusa2)."""
+    return path / cfg.get(HEADS_KEY, HEADS_DIR) if cfg.get(TYPE_KEY) == MEDUSA2_TYPE else path
+
+
+def load_medusa_heads(path: str | os.PathLike, device=None):
+    """The ``MedusaHeads`` of a saved Medusa-1 or Medusa-2 drafter (without touching any target)."""
+    from .drafters.medusa import MedusaHeads
+
+    path = Path(path)
+    return MedusaHeads.from_pretrained(_medusa_heads_dir(path, read_json(path / CONFIG_NAME)), device=device)
+
+
 def load_medusa(path: str | os.PathLike, target_model, device=None):
     """Load a saved Medusa-1 or Medusa-2 drafter for decoding.
 
     Returns ``(target to verify with, heads, info)``; for Medusa-2 the target is ``target_model`` with the
     saved LoRA adapter merged in (in place), and ``info["target_modified"]`` is True. ``info`` also carries
     the saved ``medusa_choices`` (None if the drafter was saved without a tree)."""
+    from .drafters.medusa import MedusaHeads
+    from .lora import load_lora
+
     path = Path(path)
-    cfg = read_json(path / "config.json")
-    kind = cfg.get("drafter_type")
-    heads_dir = path / cfg["heads"] if kind == MEDUSA2_TYPE else path
+    cfg = read_json(path / CONFIG_NAME)
+    kind = cfg.get(TYPE_KEY)
+    heads_dir = _medusa_heads_dir(path, cfg)
     heads = MedusaHeads.from_pretrained(heads_dir, device=device)
-    hcfg = read_json(heads_dir / "config.json")
+    hcfg = read_json(heads_dir / CONFIG_NAME)
     info = {"medusa_choices": hcfg.get("medusa_choices"), "head_topk_accuracy": hcfg.get("head_topk_accuracy"),
             "target_modified": kind == MEDUSA2_TYPE}
     if kind == MEDUSA2_TYPE:
-        peft_model = load_lora(target_model, path / cfg.get("adapter", "adapter"))
+        peft_model = load_lora(target_model, path / cfg.get(ADAPTER_KEY, ADAPTER_DIR))
         target_model = peft_model.merge_and_unload().eval()
     heads.medusa_choices = info["medusa_choices"]  # read by the decoder's tree choice
     heads.head_topk_accuracy = info["head_topk_accuracy"]
@@ -91,3 +212,161 @@ def load_medusa(path: str | os.PathLike, target_model, device=None):
         heads.to(device)
     heads.to(next(target_model.parameters()).dtype)
     return target_model, heads.eval(), info
+
+
+# ------------------------------------------------------------------------------------------ exported EAGLE-3
+SGLANG_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def exported_layout(config: dict) -> str | None:
+    """``vllm`` (speculators layout), ``sglang`` (flat LlamaForCausalLMEagle3) or None."""
+    if config.get("speculators_model_type") == "eagle3":
+        return "vllm"
+    archs = config.get("architectures") or []
+    if any(a in SGLANG_ARCHITECTURES for a in archs):
+        return "sglang"
+    return None
+
+
+def exported_target(config: dict) -> str | None:
+    """The verifier an exported vLLM (speculators) config names; None for other layouts."""
+    if exported_layout(config) == "vllm":
+        return (config.get("speculators_config", {}).get("verifier") or {}).get("name_or_path")
+    return None
+
+
+def _flag(cfg: dict, key: str, default, where):
+    """``cfg[key]`` as a bool (``default`` when absent or null); anything but true/false is refused."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise DraftTrainError(f"{where}: {key}={v!r}, expected true or false")
+    return v
+
+
+def _warn_sliding_window(lc: dict, where) -> None:
+    """speculators' trainer gives its draft layers sliding-window attention (window 2048) by default; this
+    decoder attends over the whole context, which is the same computation while a sequence fits the window."""
+    if "sliding_attention" in (lc.get("layer_types") or []) and lc.get("sliding_window"):
+        print(f"[drafttrain] warning: {where}: the draft layers use sliding-window attention (window "
+              f"{lc['sliding_window']}); this decoder attends over the full context, exact for sequences of up to "
+              f"{lc['sliding_window']} tokens", flush=True)
+
+
+def _rope_scaling(lc: dict):
+    """The layer config's RoPE scaling (transformers 5 ``rope_parameters`` or the older ``rope_scaling``)."""
+    from .drafters.eagle3 import normalise_rope_scaling
+
+    rp = lc.get("rope_parameters")
+    if not isinstance(rp, dict) or not ({"rope_type", "type"} & rp.keys()):
+        rp = lc.get("rope_scaling")
+    return normalise_rope_scaling(rp) if isinstance(rp, dict) else None
+
+
+def _read_vllm_layout(raw: dict, where):
+    """(layer config, taps, norm flags, verifier) of the speculators layout."""
+    # vLLM's reading (transformers_utils/configs/speculators/algos.py update_eagle3): norm_before_residual
+    # is true when absent, the other three false
+    norms = {k: _flag(raw, k, k == "norm_before_residual", where) for k in NORM_FLAGS}
+    return (raw.get("transformer_layer_config") or {}, raw.get("eagle_aux_hidden_state_layer_ids"), norms,
+            exported_target(raw) or "")
+
+
+def _read_sglang_layout(raw: dict, where):
+    """(layer config, taps, norm flags, verifier) of the flat layout."""
+    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    taps = [int(t) + 1 for t in nested] if nested is not None else raw.get("eagle_aux_hidden_state_layer_ids")
+    top = raw.get("eagle_aux_hidden_state_layer_ids")
+    if nested is not None and top is not None and [int(t) for t in top] != taps:
+        raise DraftTrainError(f"{where}: eagle_config ids {nested} (+1) disagree with top-level ids {top}")
+    # vLLM's reading of the flat layout: every flag false when absent; eagle_config.norm_before_fc (ModelOpt's
+    # place for it) wins over the top-level key
+    norms = {k: _flag(raw, k, False, where) for k in NORM_FLAGS}
+    nested_fc = _flag(raw.get("eagle_config") or {}, "norm_before_fc", None, where)
+    if nested_fc is not None:
+        norms["norm_before_fc"] = nested_fc
+    return raw, taps, norms, ""
+
+
+def _exported_eagle3_config(raw: dict, where):
+    """The ``Eagle3Config`` an exported config describes (either layout)."""
+    from .drafters.eagle3 import Eagle3Config
+
+    layout = exported_layout(raw)
+    if layout is None:
+        raise DraftTrainError(f"{where}: not an exported EAGLE-3 config (no speculators_model_type: eagle3 and no "
+                              "LlamaForCausalLMEagle3 architecture)")
+    lc, taps, norms, target = (_read_vllm_layout if layout == "vllm" else _read_sglang_layout)(raw, where)
+    if taps is None:
+        raise DraftTrainError(f"{where}: no eagle_aux_hidden_state_layer_ids (the taps must be explicit)")
+    _warn_sliding_window(lc, where)
+    try:
+        rope = lc.get("rope_theta") or (lc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return Eagle3Config(
+            hidden_size=int(lc["hidden_size"]), target_hidden_size=int(raw.get("target_hidden_size") or lc["hidden_size"]),
+            intermediate_size=int(lc["intermediate_size"]), num_attention_heads=int(lc["num_attention_heads"]),
+            num_key_value_heads=int(lc.get("num_key_value_heads") or lc["num_attention_heads"]),
+            head_dim=int(lc.get("head_dim") or int(lc["hidden_size"]) // int(lc["num_attention_heads"])),
+            vocab_size=int(lc["vocab_size"]), draft_vocab_size=int(raw["draft_vocab_size"]),
+            rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)), rope_theta=float(rope),
+            rope_scaling=_rope_scaling(lc),
+            max_position_embeddings=int(lc.get("max_position_embeddings", 2048)),
+            num_layers=int(lc.get("num_hidden_layers", 1)), tap_layers=[int(t) for t in taps],
+            target_name_or_path=target, initializer_range=float(lc.get("initializer_range", 0.02)), **norms,
+        )
+    except KeyError as e:
+        raise DraftTrainError(f"{where}: missing key {e.args[0]!r}") from None
+
+
+def _exported_eagle3_tensors(directory: Path, config, target_model) -> dict[str, torch.Tensor]:
+    """The export's tensors under the drafter's names: ``model.`` prefixes dropped, ``t2d`` rebuilt from (and
+    checked against) ``d2t``, the embedding taken from ``target_model`` when the export has none."""
+    from .data.vocab import d2t_target_ids
+
+    weights = directory / WEIGHTS_NAME
+    sd = load_tensors(weights)
+    sd = {k[len("model."):] if k.startswith("model.") and k != "model.lm_head.weight" else k: v for k, v in sd.items()}
+    if "d2t" not in sd or "lm_head.weight" not in sd:
+        raise DraftTrainError(f"{weights}: needs d2t and lm_head.weight")
+    sd["d2t"] = sd["d2t"].long()
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[d2t_target_ids(sd["d2t"])] = True
+    if "t2d" in sd and not torch.equal(sd["t2d"].bool(), t2d):
+        raise DraftTrainError(f"{weights}: t2d does not match d2t")
+    sd["t2d"] = t2d
+    if "embed_tokens.weight" not in sd:
+        if target_model is None:
+            raise DraftTrainError(f"{directory}: the export has no embed_tokens; load it with its target model")
+        emb = target_model.get_input_embeddings().weight.detach()
+        if tuple(emb.shape) != (config.vocab_size, config.hidden_size):
+            raise DraftTrainError(f"{directory}: target embedding {tuple(emb.shape)} does not fit the drafter "
+                                  f"({config.vocab_size}, {config.hidden_size})")
+        sd["embed_tokens.weight"] = emb.to("cpu", torch.float32)
+    return sd
+
+
+def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
+    """An :class:`~drafttrain.drafters.eagle3.Eagle3Drafter` from an exported vLLM or SGLang directory, or a
+    checkpoint speculators wrote (the same speculators layout, with ``embed_tokens`` and any of the norm
+    flags ``norm_before_residual``, ``norm_before_fc``, ``fc_norm``, ``norm_output``).
+
+    Without ``embed_tokens.weight`` in the directory (drafttrain's exports) the embedding is taken from
+    ``target_model`` (the verifier), as the engines do.
+    """
+    from .drafters.eagle3 import Eagle3Drafter
+
+    directory = Path(directory)
+    config = _exported_eagle3_config(read_json(directory / CONFIG_NAME), directory / CONFIG_NAME)
+    sd = _exported_eagle3_tensors(directory, config, target_model)
+    model = Eagle3Drafter(config, sd["d2t"], sd["t2d"])
+    dtype = sd["fc.weight"].dtype
+    if dtype != torch.float32:
+        model.to(dtype)
+    expected = model.state_dict()
+    check_state_dict(directory / WEIGHTS_NAME, expected, sd, against="its config")
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in sd.items()}, strict=True)
+    if device is not None:
+        model.to(device)
+    return model.eval()

@@ -33,6 +33,8 @@ from typing import Sequence
 
 import torch
 
+from .data.vocab import d2t_target_ids
+
 __all__ = ["eagle3_valid_mask", "eagle3_step_stats", "combine_step_losses", "step_weights", "same_document",
            "Eagle3Teacher", "teacher_from_logits", "teacher_from_hidden", "EAGLE3_LOSSES"]
 
@@ -61,10 +63,6 @@ def _and_doc(valid: torch.Tensor, doc_ids: torch.Tensor | None, offset: int) -> 
     return valid if same is None else valid & same.to(valid.device)
 
 
-def _draft_target_ids(d2t: torch.Tensor) -> torch.Tensor:
-    return torch.arange(d2t.numel(), device=d2t.device) + d2t.long()
-
-
 @dataclass
 class Eagle3Teacher:
     """The target's next-token distributions as EAGLE-3's loss reads them, without ``[B, T, V]``:
@@ -91,7 +89,7 @@ def teacher_from_logits(target_logits: torch.Tensor, d2t: torch.Tensor) -> Eagle
     """The compact teacher of full-vocabulary logits ``[B, T, V]`` (the reference for
     :func:`teacher_from_hidden`; offline features and tests)."""
     x = target_logits.detach()
-    ids = _draft_target_ids(d2t).to(x.device)
+    ids = d2t_target_ids(d2t).to(x.device)
     return Eagle3Teacher(logits=x[..., ids].float(), lse=torch.logsumexp(x.float(), dim=-1), top=x.argmax(-1))
 
 
@@ -116,7 +114,7 @@ def teacher_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, d2t: torch.T
             x = float(softcap) * torch.tanh(x / float(softcap))
         return x
 
-    ids = _draft_target_ids(d2t).to(weight.device)
+    ids = d2t_target_ids(d2t).to(weight.device)
     draft = logits_of(ids)
     lse = top = best = None
     for start in range(0, V, int(chunk)):
@@ -221,7 +219,7 @@ def eagle3_step_stats(
     p_logits = teacher.logits.detach()[:, sl][v].float()               # [N, Vd]; the teacher is a constant
     p_lse = teacher.lse.detach()[:, sl][v].float()                     # [N]
     p_top = teacher.top[:, sl][v]                                      # [N]
-    ids = _draft_target_ids(d2t).to(p_logits.device)
+    ids = d2t_target_ids(d2t).to(p_logits.device)
 
     log_q = torch.log_softmax(q_logits, dim=-1)
     p_full_on_draft = torch.exp(p_logits - p_lse[:, None])             # full-vocabulary probabilities

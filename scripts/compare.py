@@ -193,9 +193,10 @@ def medusa2_drift(final: Path, num_prompts: int, max_new_tokens: int, threads: i
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from drafttrain.data.builtin import builtin_conversations, corpus_of
+    from drafttrain.data.chat import stop_token_ids
     from drafttrain.eval import eval_prompt_ids
     from drafttrain.io import read_json
-    from drafttrain.training.medusa import load_medusa
+    from drafttrain.artifacts import load_medusa
 
     torch.set_num_threads(threads)
     target = read_json(final / "config.json")["target_name_or_path"]
@@ -208,7 +209,7 @@ def medusa2_drift(final: Path, num_prompts: int, max_new_tokens: int, threads: i
         for p in prompts:
             ids = torch.tensor([p])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                                 do_sample=False, eos_token_id=stop_token_ids(model, tok), pad_token_id=tok.pad_token_id)
             res.append(out[0, len(p):].tolist())
         return res
 

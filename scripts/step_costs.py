@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from drafttrain.bench import load_draft_model
+    from drafttrain.artifacts import load_draft_model
     from drafttrain.config import TargetConfig
     from drafttrain.decoding import TargetRunner
     from drafttrain.targets.load import load_target

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from drafttrain.config import DecodeConfig, TargetConfig, TreeConfig  # noqa: E402
+from drafttrain.data.chat import stop_token_ids  # noqa: E402
 from drafttrain.decoding import NoDraft, SpecDecoder, TargetRunner, aggregate  # noqa: E402
 from drafttrain.decoding.build import cache_length  # noqa: E402
 from drafttrain.io import write_json, write_text  # noqa: E402
@@ -74,7 +75,7 @@ def load(args):
     eagle3 = ([("eagle3", args.eagle3)] if args.eagle3 else []) + [
         (f"eagle3 ({x.partition('=')[0]})", x.partition("=")[2]) for x in args.eagle3_extra]
     for key, ddir in eagle3:
-        from drafttrain.eval import load_drafter
+        from drafttrain.artifacts import load_drafter
 
         drafters[key] = load_drafter(ddir, "cpu").eval()
         methods += [("eagle3", "chain", key), ("eagle3", "tree", key)]
@@ -215,8 +216,7 @@ def main(argv=None):
         print(f"[structured_compare] {len(rows)}/{len(ex)} rows -> {args.write_train_data} ({time.time() - t0:.0f} s)")
         return 0
     model, tok, tname, L, drafters, methods = load(args)
-    eos = sorted({tok.eos_token_id, *([model.generation_config.eos_token_id] if isinstance(
-        model.generation_config.eos_token_id, int) else (model.generation_config.eos_token_id or []))})
+    eos = sorted(stop_token_ids(model, tok))
     examples = builtin_structured_examples("eval", args.num_prompts, args.seed,
                                            max_string_length=args.max_string_length)
     prompts = [e.prompt_ids(tok) for e in examples]

@@ -127,7 +127,8 @@ def test_greedy_equals_ar_with_lever(target, lever):
 
 @pytest.mark.parametrize("lever", ["eagle3.1", "qk_norm"])
 def test_save_load_and_export(target, tmp_path, lever):
-    from drafttrain.export.eagle3 import load_exported_eagle3, write_eagle3
+    from drafttrain.artifacts import load_exported_eagle3
+    from drafttrain.export.eagle3 import write_eagle3
 
     d = drafter(target, **LEVERS[lever])
     d.save_pretrained(tmp_path / "d")

@@ -68,7 +68,8 @@ def test_drafter_rotates_like_the_target(kind):
 
 @pytest.mark.parametrize("kind", ["llama3", "yarn"])
 def test_rope_scaling_survives_save_load_and_both_exports(kind, tmp_path):
-    from drafttrain.export.eagle3 import load_exported_eagle3, write_eagle3
+    from drafttrain.artifacts import load_exported_eagle3
+    from drafttrain.export.eagle3 import write_eagle3
 
     target = _target(SCALINGS[kind])
     d = _drafter(target)

@@ -199,7 +199,7 @@ def taps_of(target, ids, taps):
 
 
 def load(directory, target):
-    from drafttrain.eval import load_drafter  # what `drafttrain eval drafter=DIR` calls
+    from drafttrain.artifacts import load_drafter  # what `drafttrain eval drafter=DIR` calls
 
     return load_drafter(str(directory), "cpu", target_model=target)
 

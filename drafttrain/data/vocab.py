@@ -19,6 +19,7 @@ from drafttrain.io import DraftTrainError
 __all__ = [
     "build_draft_vocab",
     "count_assistant_tokens",
+    "d2t_target_ids",
     "draft_to_target",
     "target_to_draft",
     "default_draft_vocab_size",
@@ -111,16 +112,22 @@ def count_assistant_tokens(examples: Iterable[Mapping[str, Sequence[int]]], voca
     return total
 
 
+def d2t_target_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """The target id of every draft id, ``[Vd]`` long, ascending (``draft_id + d2t[draft_id]``): the one
+    definition of the ``d2t`` offset table (losses, the drafter, the export loader and the maps below use it)."""
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t.long()
+
+
 def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
     """Map draft-vocabulary ids to target ids (``id + d2t[id]``)."""
     draft_ids = torch.as_tensor(draft_ids, dtype=torch.long, device=d2t.device)
-    return draft_ids + d2t[draft_ids]
+    return d2t_target_ids(d2t)[draft_ids]
 
 
 def target_to_draft(target_ids: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     """Map target ids to draft ids; ids outside the draft vocabulary map to -1."""
     target_ids = torch.as_tensor(target_ids, dtype=torch.long, device=d2t.device)
-    targets_sorted = torch.arange(d2t.numel(), device=d2t.device) + d2t  # ascending by construction
+    targets_sorted = d2t_target_ids(d2t)  # ascending by construction
     idx = torch.searchsorted(targets_sorted, target_ids).clamp_max(d2t.numel() - 1)
     inside = t2d.to(d2t.device)[target_ids.clamp(0, t2d.numel() - 1)]
     inside &= (target_ids >= 0) & (target_ids < t2d.numel()) & (targets_sorted[idx] == target_ids)

@@ -35,6 +35,8 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..targets.load import gather_taps, text_config
+
 # static_shapes: the padded forward sizes by default (drafttrain.config.DEFAULT_BUCKETS, the configs' default, is
 # the same tuple; tests/test_decoding.py checks it)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -179,7 +181,7 @@ def _layer_kinds(cfg) -> tuple[list[str] | None, int | None]:
 
 def static_cache_support(model) -> str | None:
     """None if the static cache can run ``model``; otherwise the reason it cannot."""
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model.config)
     impl = getattr(model.config, "_attn_implementation", None) or getattr(cfg, "_attn_implementation", None)
     if impl not in ("eager", "sdpa"):
         return f"attn_implementation={impl!r} takes no custom 4D mask (need eager or sdpa)"
@@ -219,7 +221,7 @@ class TargetRunner:
                  compile: bool = False, timing: bool = True):
         self.model = model.eval()
         self.taps = tuple(int(t) for t in taps) if taps else None
-        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        cfg = text_config(model.config)
         self.config = cfg
         self.vocab_size = int(cfg.vocab_size)
         self.max_len = int(max_len if max_len is not None else getattr(cfg, "max_position_embeddings", 1 << 16))
@@ -341,7 +343,7 @@ class TargetRunner:
         )
         taps = None
         if self.taps is not None:
-            taps = torch.cat([out.hidden_states[i][0] for i in self.taps], dim=-1)
+            taps = gather_taps(out.hidden_states, self.taps)[0]
         return out.logits[0], taps
 
     def _chain_forward(self, ids: Tensor, start: Tensor):
@@ -453,7 +455,7 @@ class TargetRunner:
             logits = out.logits[0, -1:] if last_only else out.logits[0]
             taps = None
             if self.taps is not None:
-                taps = torch.cat([out.hidden_states[i][0] for i in self.taps], dim=-1)
+                taps = gather_taps(out.hidden_states, self.taps)[0]
         else:
             if bucket is not None:
                 pad = bucket - n

@@ -1,8 +1,9 @@
 """Distilled draft models: small HF causal LMs sharing the target's tokenizer, plus on-policy data.
 
 A draft built here is a plain HF model (``save_pretrained`` / ``AutoModelForCausalLM.from_pretrained``), so
-:class:`drafttrain.decoding.proposers.DraftModelProposer` can run it. Three ways to get one
-(:func:`build_draft_lm`):
+:class:`drafttrain.decoding.proposers.DraftModelProposer` can run it; :class:`DraftLM` is the module recipe=distill
+trains and saves (``drafter_type: draft_lm``, read back by drafttrain.artifacts.load_drafter). Three ways to get
+one (:func:`build_draft_lm`):
 
 - ``from_config``: the target's config class and settings, shrunk (fewer layers, optionally narrower),
   randomly initialised;
@@ -24,23 +25,60 @@ from typing import Any, Sequence, TypeVar
 import torch
 from torch import nn
 
-from drafttrain.io import DraftTrainError
+from drafttrain.artifacts import ADAPTER_DIR, DRAFT_LM_TYPE, TARGET_KEY, TYPE_KEY
+from drafttrain.io import DraftTrainError, atomic_dir
+from drafttrain.targets.load import text_config
 
-__all__ = ["build_draft_lm", "sample_on_policy", "on_policy_records", "mix_batches", "DRAFT_MODES"]
+__all__ = ["DraftLM", "build_draft_lm", "sample_on_policy", "on_policy_records", "mix_batches", "DRAFT_MODES"]
 
 DRAFT_MODES = ("from_config", "from_target_layers", "from_pretrained")
 T = TypeVar("T")
 
 
-def _text_config(config):
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+class DraftLM(nn.Module):
+    """The trained draft: ``forward(input_ids, attention_mask) -> logits [B, T, V]``. ``lm`` is an HF causal
+    LM, or (``lora=True``) a peft model wrapping one; peft is not imported here (its model's own methods are
+    called)."""
+
+    def __init__(self, lm: nn.Module, tokenizer=None, target_name: str = "", lora: bool = False):
+        super().__init__()
+        self.lm = lm
+        self.tokenizer = tokenizer
+        self.target_name = target_name
+        self.lora = lora
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).logits
+
+    def trainable_parameters(self):
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def base_model(self) -> nn.Module:
+        """The plain HF model (adapters merged, on a copy, when LoRA is used)."""
+        if not self.lora:
+            return self.lm
+        return copy.deepcopy(self.lm).merge_and_unload()
+
+    def save_pretrained(self, directory, overwrite: bool = True) -> None:
+        """The ``draft_lm`` layout (drafttrain/artifacts.py): the HF model directory (adapters merged) with
+        ``drafter_type`` and the target in its config, the tokenizer, and with LoRA the adapter in ``adapter/``."""
+        model = self.base_model()
+        setattr(model.config, TYPE_KEY, DRAFT_LM_TYPE)
+        setattr(model.config, TARGET_KEY, self.target_name)
+        with atomic_dir(directory, overwrite=overwrite) as tmp:
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(tmp))
+            if self.lora:
+                self.lm.save_pretrained(str(tmp / ADAPTER_DIR), safe_serialization=True)
 
 
 def _vocab_size(model: nn.Module) -> int:
     out = model.get_output_embeddings()
     if out is not None and getattr(out, "weight", None) is not None:
         return int(out.weight.shape[0])
-    return int(_text_config(model.config).vocab_size)
+    return int(text_config(model.config).vocab_size)
 
 
 def _param_dtype(model: nn.Module) -> torch.dtype:
@@ -50,7 +88,7 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
 def _shrunk_config(target_model: nn.Module, num_layers: int, hidden_size: int | None,
                    intermediate_size: int | None):
     cfg = copy.deepcopy(target_model.config)
-    if _text_config(cfg) is not cfg:
+    if text_config(cfg) is not cfg:
         raise DraftTrainError(
             f"draft_lm: target config {type(cfg).__name__} nests a text config; pass a text-only causal LM"
         )

@@ -17,7 +17,7 @@ The output hidden state handed to the next drafting step is the residual stream 
 
 The optional norms follow the speculators (vllm-project/speculators ``models/eagle3``) and vLLM
 (``llama_eagle3.py``) conventions of the same names, so a speculators-format checkpoint trained with any of
-them loads here (``drafttrain.export.eagle3.load_exported_eagle3``) and computes what vLLM computes.
+them loads here (``drafttrain.artifacts.load_exported_eagle3``) and computes what vLLM computes.
 
 Training uses :meth:`Eagle3Drafter.ttt_forward` (training-time test, O(T^2 + steps*T) attention);
 inference uses :meth:`Eagle3Drafter.step` with an :class:`Eagle3Cache`, or :meth:`Eagle3Drafter.step_static`
@@ -36,7 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafttrain.artifacts import CONFIG_NAME, EAGLE3_TYPE, TYPE_KEY, WEIGHTS_NAME
+from drafttrain.data.vocab import d2t_target_ids
 from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_tensors, read_drafter_config, save_tensors, write_json)
+from drafttrain.targets.load import text_config
 
 __all__ = [
     "Eagle3Config",
@@ -46,13 +49,9 @@ __all__ = [
     "ttt_attention",
     "masked_attention",
     "sdpa_attention",
-    "CONFIG_NAME",
-    "WEIGHTS_NAME",
 ]
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-DRAFTER_TYPE = "eagle3"
+DRAFTER_TYPE = EAGLE3_TYPE  # the saved layout (file names, drafter_type): drafttrain/artifacts.py
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -519,7 +518,7 @@ class Eagle3Drafter(nn.Module):
             raise DraftTrainError(
                 f"t2d must have {c.vocab_size} entries (the target's embedding rows), got {tuple(t2d.shape)}"
             )
-        targets = torch.arange(d2t.numel(), device=d2t.device) + d2t.long()
+        targets = d2t_target_ids(d2t)
         if (targets < 0).any() or (targets >= c.vocab_size).any() or (targets[1:] <= targets[:-1]).any():
             raise DraftTrainError("d2t offsets do not give strictly increasing target ids inside the vocabulary")
         if int(t2d.sum()) != d2t.numel() or not bool(t2d.to(targets.device)[targets].all()):
@@ -556,9 +555,7 @@ class Eagle3Drafter(nn.Module):
         ``lm_head`` from the target's output-embedding rows of the draft vocabulary. ``init_layer`` (a target
         decoder layer index, negative from the end) also initialises the draft layers from that target layer
         where shapes allow (:meth:`init_layers_from`)."""
-        cfg = target_model.config
-        if hasattr(cfg, "get_text_config"):
-            cfg = cfg.get_text_config()
+        cfg = text_config(target_model.config)
         emb = target_model.get_input_embeddings().weight
         H = int(_cfg_get(cfg, "hidden_size"))
         heads = int(_cfg_get(cfg, "num_attention_heads"))
@@ -629,7 +626,7 @@ class Eagle3Drafter(nn.Module):
     # ------------------------------------------------------------------ small API
     def draft_target_ids(self) -> torch.Tensor:
         """Target id of every draft id, ``[Vd]`` ascending."""
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+        return d2t_target_ids(self.d2t)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens.")]
@@ -834,11 +831,11 @@ class Eagle3Drafter(nn.Module):
 
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, directory: str | os.PathLike, overwrite: bool = True) -> None:
-        cfg = {"drafter_type": DRAFTER_TYPE, **self.config.to_dict()}
+        cfg = {TYPE_KEY: DRAFTER_TYPE, **self.config.to_dict()}
         tensors = {k: v for k, v in self.state_dict().items()}
         with atomic_dir(directory, overwrite=overwrite) as tmp:
             write_json(tmp / CONFIG_NAME, cfg)
-            save_tensors(tmp / WEIGHTS_NAME, tensors, metadata={"format": "pt", "drafter_type": DRAFTER_TYPE})
+            save_tensors(tmp / WEIGHTS_NAME, tensors, metadata={"format": "pt", TYPE_KEY: DRAFTER_TYPE})
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, device=None) -> "Eagle3Drafter":

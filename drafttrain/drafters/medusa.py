@@ -31,20 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafttrain.artifacts import CONFIG_NAME, MEDUSA_TYPE, TARGET_KEY, TYPE_KEY, WEIGHTS_NAME
 from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_tensors, read_drafter_config, save_tensors, write_json)
 
 __all__ = [
     "MedusaHeads",
     "final_hidden",
-    "MEDUSA2_TYPE",
-    "CONFIG_NAME",
-    "WEIGHTS_NAME",
 ]
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-DRAFTER_TYPE = "medusa"
-MEDUSA2_TYPE = "medusa2"  # a saved Medusa-2 drafter: heads/ + a LoRA adapter/ for the target
+DRAFTER_TYPE = MEDUSA_TYPE  # the saved layout (file names, drafter_type; Medusa-2's): drafttrain/artifacts.py
 
 
 class MedusaBlock(nn.Module):
@@ -128,7 +123,7 @@ class MedusaHeads(nn.Module):
     # ------------------------------------------------------------------ persistence
     def config_dict(self) -> dict[str, Any]:
         return {
-            "drafter_type": DRAFTER_TYPE,
+            TYPE_KEY: DRAFTER_TYPE,
             "model_type": "medusa",            # vLLM: MedusaConfig
             "architectures": ["MedusaModel"],
             "hidden_size": self.hidden_size,
@@ -136,7 +131,7 @@ class MedusaHeads(nn.Module):
             "num_heads": self.num_heads,
             "num_layers": self.num_layers,     # vLLM renames it to num_hidden_layers
             "medusa_fc_bias": self.bias,
-            "target_name_or_path": self.target_name_or_path,
+            TARGET_KEY: self.target_name_or_path,
         }
 
     def save_pretrained(self, directory: str | os.PathLike, overwrite: bool = True) -> None:
@@ -144,7 +139,7 @@ class MedusaHeads(nn.Module):
         with atomic_dir(directory, overwrite=overwrite) as tmp:
             write_json(tmp / CONFIG_NAME, self.config_dict())
             save_tensors(tmp / WEIGHTS_NAME, dict(self.state_dict()),
-                         metadata={"format": "pt", "drafter_type": DRAFTER_TYPE})
+                         metadata={"format": "pt", TYPE_KEY: DRAFTER_TYPE})
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, device=None) -> "MedusaHeads":
@@ -153,7 +148,7 @@ class MedusaHeads(nn.Module):
         try:
             model = cls(int(raw["hidden_size"]), int(raw["vocab_size"]), num_heads=int(raw["num_heads"]),
                         num_layers=int(raw["num_layers"]), bias=bool(raw.get("medusa_fc_bias", True)),
-                        target_name_or_path=str(raw.get("target_name_or_path", "")))
+                        target_name_or_path=str(raw.get(TARGET_KEY, "")))
         except KeyError as e:
             raise DraftTrainError(f"{directory / CONFIG_NAME}: missing key {e.args[0]!r}") from None
         weights = directory / WEIGHTS_NAME

@@ -24,10 +24,13 @@ from pathlib import Path
 
 import torch
 
+from ..artifacts import (ADAPTER_DIR, ADAPTER_KEY, CONFIG_NAME, DRAFT_LM_TYPE, DRAFTER_TYPES, EAGLE3_TYPE, HEADS_DIR,
+                         HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE, TYPE_KEY, WEIGHTS_NAME, exported_layout)
+from ..artifacts import exported_target, load_exported_eagle3  # noqa: F401  compatibility: eval.py imports them here
 from ..io import DraftTrainError, atomic_dir, read_json, write_json
-from .eagle3 import export_dtype, exported_layout, exported_target, load_exported_eagle3, write_eagle3
+from .eagle3 import export_dtype, write_eagle3
 
-__all__ = ["export_drafter", "run_export", "exported_layout", "exported_target", "load_exported_eagle3", "FORMATS"]
+__all__ = ["export_drafter", "run_export", "FORMATS"]
 
 FORMATS = ("vllm", "sglang", "hf")
 
@@ -44,20 +47,20 @@ def _medusa_heads_files(src: Path, tmp: Path, dtype: torch.dtype) -> None:
     """A MedusaHeads directory in vLLM's Medusa layout (config keys vLLM reads + ours, cast tensors)."""
     from ..io import load_tensors, save_tensors
 
-    cfg = read_json(src / "config.json")
-    if cfg.get("drafter_type") != "medusa":
-        raise DraftTrainError(f"{src}/config.json: not a Medusa heads directory")
+    cfg = read_json(src / CONFIG_NAME)
+    if cfg.get(TYPE_KEY) != MEDUSA_TYPE:
+        raise DraftTrainError(f"{src}/{CONFIG_NAME}: not a Medusa heads directory")
     cfg["model_type"] = "medusa"
     cfg["architectures"] = ["MedusaModel"]
     cfg["num_hidden_layers"] = int(cfg["num_layers"])  # vLLM's name (its loader renames num_layers to it too)
     cfg["torch_dtype"] = str(dtype).replace("torch.", "")
-    sd = load_tensors(src / "model.safetensors")
+    sd = load_tensors(src / WEIGHTS_NAME)
     want_bias = bool(cfg.get("medusa_fc_bias", True))
     if want_bias != any(k.endswith(".bias") for k in sd):
         raise DraftTrainError(f"{src}: medusa_fc_bias={want_bias} disagrees with the tensors (vLLM would silently "
                               "skip or miss the biases)")
-    write_json(tmp / "config.json", cfg)
-    save_tensors(tmp / "model.safetensors", {k: v.to(dtype) for k, v in sd.items()}, metadata={"format": "pt"})
+    write_json(tmp / CONFIG_NAME, cfg)
+    save_tensors(tmp / WEIGHTS_NAME, {k: v.to(dtype) for k, v in sd.items()}, metadata={"format": "pt"})
 
 
 def _export_draft_lm(src: Path, tmp: Path, dtype: torch.dtype) -> None:
@@ -80,57 +83,57 @@ def export_drafter(drafter: str | os.PathLike, fmt: str, out: str | os.PathLike,
     src, out = Path(drafter), Path(out)
     if fmt not in FORMATS:
         raise DraftTrainError(f"format={fmt}: expected one of {', '.join(FORMATS)}")
-    if not (src / "config.json").exists():
+    if not (src / CONFIG_NAME).exists():
         raise DraftTrainError(f"drafter={src}: not a saved drafter directory (no config.json)")
     if out.resolve() == src.resolve():
         raise DraftTrainError(f"out={out}: is the drafter directory itself")
     _check_out(out, overwrite)
     tdtype = export_dtype(dtype)
-    kind = read_json(src / "config.json").get("drafter_type")
+    kind = read_json(src / CONFIG_NAME).get(TYPE_KEY)
     with atomic_dir(out, overwrite=True) as tmp:
-        if kind == "eagle3":
+        if kind == EAGLE3_TYPE:
             from ..drafters.eagle3 import Eagle3Drafter
 
             d = Eagle3Drafter.from_pretrained(src)
             write_eagle3(d, fmt, tmp, dtype=dtype, verifier=verifier or d.config.target_name_or_path,
                          num_speculative_tokens=num_speculative_tokens)
-        elif kind in ("medusa", "medusa2"):
+        elif kind in (MEDUSA_TYPE, MEDUSA2_TYPE):
             if fmt != "vllm":
                 raise DraftTrainError(f"format={fmt}: Medusa drafters export for vLLM only (SGLang has no Medusa)")
-            if kind == "medusa":
+            if kind == MEDUSA_TYPE:
                 _medusa_heads_files(src, tmp, tdtype)
             else:
-                cfg = read_json(src / "config.json")
-                heads, adapter = cfg.get("heads", "heads"), cfg.get("adapter", "adapter")
+                cfg = read_json(src / CONFIG_NAME)
+                heads, adapter = cfg.get(HEADS_KEY, HEADS_DIR), cfg.get(ADAPTER_KEY, ADAPTER_DIR)
                 (tmp / heads).mkdir()
                 _medusa_heads_files(src / heads, tmp / heads, tdtype)
                 if not (src / adapter / "adapter_config.json").exists():
                     raise DraftTrainError(f"{src / adapter}: no LoRA adapter (adapter_config.json) in this Medusa-2 drafter")
                 shutil.copytree(src / adapter, tmp / adapter)
-                write_json(tmp / "config.json", cfg)
-        elif kind == "draft_lm":
+                write_json(tmp / CONFIG_NAME, cfg)
+        elif kind == DRAFT_LM_TYPE:
             _export_draft_lm(src, tmp, tdtype)
         else:
-            raise DraftTrainError(f"drafter={src}: unknown drafter_type {kind!r} (expected eagle3, medusa, medusa2 or "
-                                  "draft_lm)")
+            raise DraftTrainError(f"drafter={src}: unknown drafter_type {kind!r} (expected "
+                                  f"{', '.join(DRAFTER_TYPES[:-1])} or {DRAFTER_TYPES[-1]})")
     return out
 
 
 def serve_hint(kind_dir: Path, fmt: str) -> str:
-    cfg = read_json(kind_dir / "config.json")
+    cfg = read_json(kind_dir / CONFIG_NAME)
     if exported_layout(cfg) == "vllm":
         return f"vllm serve {kind_dir}"
     if exported_layout(cfg) == "sglang":
         return (f"python -m sglang.launch_server --model <target> --speculative-algorithm EAGLE3 "
                 f"--speculative-draft-model-path {kind_dir} --speculative-num-steps 5 --speculative-eagle-topk 4 "
                 f"--speculative-num-draft-tokens 8")
-    if cfg.get("drafter_type") == "medusa":
+    if cfg.get(TYPE_KEY) == MEDUSA_TYPE:
         return (f"vllm serve <target> --speculative-config '{{\"method\": \"medusa\", \"model\": \"{kind_dir}\", "
                 f"\"num_speculative_tokens\": {cfg.get('num_heads', 4)}}}'")
-    if cfg.get("drafter_type") == "medusa2":
-        return (f"merge {kind_dir}/{cfg.get('adapter', 'adapter')} into the target (peft merge_and_unload), then "
+    if cfg.get(TYPE_KEY) == MEDUSA2_TYPE:
+        return (f"merge {kind_dir}/{cfg.get(ADAPTER_KEY, ADAPTER_DIR)} into the target (peft merge_and_unload), then "
                 f"vllm serve <merged target> --speculative-config '{{\"method\": \"medusa\", \"model\": "
-                f"\"{kind_dir}/{cfg.get('heads', 'heads')}\", \"num_speculative_tokens\": 4}}'")
+                f"\"{kind_dir}/{cfg.get(HEADS_KEY, HEADS_DIR)}\", \"num_speculative_tokens\": 4}}'")
     return (f"vllm serve <target> --speculative-config '{{\"model\": \"{kind_dir}\", \"num_speculative_tokens\": 4}}'  "
             f"|  python -m sglang.launch_server --model <target> --speculative-algorithm STANDALONE "
             f"--speculative-draft-model-path {kind_dir}")

@@ -23,9 +23,8 @@ which is what the drafter was trained with (a frozen copy). ``t2d`` (bool ``[V]`
   ``hidden_norm`` and has no ``input_norm``, skipping unknown weights silently: a drafter with
   ``norm_before_residual`` or ``norm_before_fc`` is refused for this format instead of served wrong.
 
-:func:`load_exported_eagle3` reads either layout back, including checkpoints written by speculators itself
-(whose trainer defaults to ``norm_before_residual``, ``norm_before_fc`` and ``norm_output`` all true), with
-vLLM's reading of every flag, so such a drafter is scored here as vLLM would serve it.
+Reading either layout back (``exported_layout``, ``load_exported_eagle3``, with vLLM's reading of every flag)
+is drafttrain/artifacts.py's, the one module that loads saved drafters.
 """
 from __future__ import annotations
 
@@ -33,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from ..io import DraftTrainError, check_state_dict, load_tensors, read_json, save_tensors, write_json
+from ..artifacts import CONFIG_NAME, WEIGHTS_NAME
+from ..io import DraftTrainError, read_json, save_tensors, write_json
 
 SPECULATORS_FORMAT = "0.9.0"  # the speculators config layout followed (vllm-project/speculators)
 
@@ -93,16 +93,6 @@ def _layer_config(c, dtype: str) -> dict:
         "initializer_range": c.initializer_range,
         "torch_dtype": dtype,
     }
-
-
-def _rope_scaling(lc: dict):
-    """The layer config's RoPE scaling (transformers 5 ``rope_parameters`` or the older ``rope_scaling``)."""
-    from ..drafters.eagle3 import normalise_rope_scaling
-
-    rp = lc.get("rope_parameters")
-    if not isinstance(rp, dict) or not ({"rope_type", "type"} & rp.keys()):
-        rp = lc.get("rope_scaling")
-    return normalise_rope_scaling(rp) if isinstance(rp, dict) else None
 
 
 def tensors_for_export(drafter, dtype: torch.dtype, with_t2d: bool) -> dict[str, torch.Tensor]:
@@ -190,132 +180,6 @@ def write_eagle3(drafter, fmt: str, tmp: Path, *, dtype: str, verifier: str, num
         config = sglang_config(drafter, dtype)
     else:
         raise DraftTrainError(f"format={fmt}: an EAGLE-3 drafter exports as vllm or sglang")
-    write_json(tmp / "config.json", config)
-    save_tensors(tmp / "model.safetensors", tensors_for_export(drafter, export_dtype(dtype), fmt == "vllm"),
+    write_json(tmp / CONFIG_NAME, config)
+    save_tensors(tmp / WEIGHTS_NAME, tensors_for_export(drafter, export_dtype(dtype), fmt == "vllm"),
                  metadata={"format": "pt"})
-
-
-# ------------------------------------------------------------------------------------------ loading back
-def exported_layout(config: dict) -> str | None:
-    """``vllm`` (speculators layout), ``sglang`` (flat LlamaForCausalLMEagle3) or None."""
-    if config.get("speculators_model_type") == "eagle3":
-        return "vllm"
-    archs = config.get("architectures") or []
-    if any(a in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM") for a in archs):
-        return "sglang"
-    return None
-
-
-def exported_target(config: dict) -> str | None:
-    if exported_layout(config) == "vllm":
-        return (config.get("speculators_config", {}).get("verifier") or {}).get("name_or_path")
-    return None
-
-
-NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-
-
-def _flag(cfg: dict, key: str, default, where):
-    """``cfg[key]`` as a bool (``default`` when absent or null); anything but true/false is refused."""
-    v = cfg.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise DraftTrainError(f"{where}: {key}={v!r}, expected true or false")
-    return v
-
-
-def _warn_sliding_window(lc: dict, where) -> None:
-    """speculators' trainer gives its draft layers sliding-window attention (window 2048) by default; this
-    decoder attends over the whole context, which is the same computation while a sequence fits the window."""
-    if "sliding_attention" in (lc.get("layer_types") or []) and lc.get("sliding_window"):
-        print(f"[drafttrain] warning: {where}: the draft layers use sliding-window attention (window "
-              f"{lc['sliding_window']}); this decoder attends over the full context, exact for sequences of up to "
-              f"{lc['sliding_window']} tokens", flush=True)
-
-
-def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
-    """An :class:`~drafttrain.drafters.eagle3.Eagle3Drafter` from an exported vLLM or SGLang directory, or a
-    checkpoint speculators wrote (the same speculators layout, with ``embed_tokens`` and any of the norm
-    flags ``norm_before_residual``, ``norm_before_fc``, ``fc_norm``, ``norm_output``).
-
-    Without ``embed_tokens.weight`` in the directory (drafttrain's exports) the embedding is taken from
-    ``target_model`` (the verifier), as the engines do.
-    """
-    from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter
-
-    directory = Path(directory)
-    raw = read_json(directory / "config.json")
-    layout = exported_layout(raw)
-    where = directory / "config.json"
-    if layout is None:
-        raise DraftTrainError(f"{where}: not an exported EAGLE-3 config (no speculators_model_type: eagle3 and no "
-                              "LlamaForCausalLMEagle3 architecture)")
-    if layout == "vllm":
-        lc = raw.get("transformer_layer_config") or {}
-        taps = raw.get("eagle_aux_hidden_state_layer_ids")
-        # vLLM's reading (transformers_utils/configs/speculators/algos.py update_eagle3): norm_before_residual
-        # is true when absent, the other three false
-        norms = {k: _flag(raw, k, k == "norm_before_residual", where) for k in NORM_FLAGS}
-        target = exported_target(raw) or ""
-    else:
-        lc = raw
-        nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        taps = [int(t) + 1 for t in nested] if nested is not None else raw.get("eagle_aux_hidden_state_layer_ids")
-        top = raw.get("eagle_aux_hidden_state_layer_ids")
-        if nested is not None and top is not None and [int(t) for t in top] != taps:
-            raise DraftTrainError(f"{where}: eagle_config ids {nested} (+1) disagree with top-level ids {top}")
-        # vLLM's reading of the flat layout: every flag false when absent; eagle_config.norm_before_fc (ModelOpt's
-        # place for it) wins over the top-level key
-        norms = {k: _flag(raw, k, False, where) for k in NORM_FLAGS}
-        nested_fc = _flag(raw.get("eagle_config") or {}, "norm_before_fc", None, where)
-        if nested_fc is not None:
-            norms["norm_before_fc"] = nested_fc
-        target = ""
-    if taps is None:
-        raise DraftTrainError(f"{where}: no eagle_aux_hidden_state_layer_ids (the taps must be explicit)")
-    _warn_sliding_window(lc, where)
-    try:
-        rope = lc.get("rope_theta") or (lc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        config = Eagle3Config(
-            hidden_size=int(lc["hidden_size"]), target_hidden_size=int(raw.get("target_hidden_size") or lc["hidden_size"]),
-            intermediate_size=int(lc["intermediate_size"]), num_attention_heads=int(lc["num_attention_heads"]),
-            num_key_value_heads=int(lc.get("num_key_value_heads") or lc["num_attention_heads"]),
-            head_dim=int(lc.get("head_dim") or int(lc["hidden_size"]) // int(lc["num_attention_heads"])),
-            vocab_size=int(lc["vocab_size"]), draft_vocab_size=int(raw["draft_vocab_size"]),
-            rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)), rope_theta=float(rope),
-            rope_scaling=_rope_scaling(lc),
-            max_position_embeddings=int(lc.get("max_position_embeddings", 2048)),
-            num_layers=int(lc.get("num_hidden_layers", 1)), tap_layers=[int(t) for t in taps],
-            target_name_or_path=target, initializer_range=float(lc.get("initializer_range", 0.02)), **norms,
-        )
-    except KeyError as e:
-        raise DraftTrainError(f"{where}: missing key {e.args[0]!r}") from None
-    sd = load_tensors(directory / "model.safetensors")
-    sd = {k[len("model."):] if k.startswith("model.") and k != "model.lm_head.weight" else k: v for k, v in sd.items()}
-    if "d2t" not in sd or "lm_head.weight" not in sd:
-        raise DraftTrainError(f"{directory / 'model.safetensors'}: needs d2t and lm_head.weight")
-    d2t = sd["d2t"].long()
-    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-    t2d[torch.arange(d2t.numel()) + d2t] = True
-    if "t2d" in sd and not torch.equal(sd["t2d"].bool(), t2d):
-        raise DraftTrainError(f"{directory / 'model.safetensors'}: t2d does not match d2t")
-    sd["t2d"] = t2d
-    if "embed_tokens.weight" not in sd:
-        if target_model is None:
-            raise DraftTrainError(f"{directory}: the export has no embed_tokens; load it with its target model")
-        emb = target_model.get_input_embeddings().weight.detach()
-        if tuple(emb.shape) != (config.vocab_size, config.hidden_size):
-            raise DraftTrainError(f"{directory}: target embedding {tuple(emb.shape)} does not fit the drafter "
-                                  f"({config.vocab_size}, {config.hidden_size})")
-        sd["embed_tokens.weight"] = emb.to("cpu", torch.float32)
-    model = Eagle3Drafter(config, d2t, t2d)
-    dtype = sd["fc.weight"].dtype
-    if dtype != torch.float32:
-        model.to(dtype)
-    expected = model.state_dict()
-    check_state_dict(directory / "model.safetensors", expected, sd, against="its config")
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in sd.items()}, strict=True)
-    if device is not None:
-        model.to(device)
-    return model.eval()

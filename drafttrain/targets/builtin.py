@@ -103,6 +103,17 @@ def ensure_builtin_target(spec: BuiltinSpec | None = None, quiet: bool = False) 
     return path
 
 
+# the built-in target's small sibling (decode.method=draft_model decode.draft_model=builtin-small)
+SMALL_DRAFT = dict(hidden_size=96, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1)
+
+
+def builtin_small_draft(target_cfg) -> Path:
+    """A 2-layer sibling of the built-in target: same tokenizer (same files, vocabulary size and seed), trained
+    the same way; the natural ``draft_model`` for the built-in target (built on first use, cached)."""
+    spec = dataclasses.replace(target_cfg.builtin, **SMALL_DRAFT)
+    return ensure_builtin_target(spec)
+
+
 def train_tokenizer(texts: list[str], vocab_size: int):
     """Byte-level BPE trained on ``texts``, wrapped as a transformers fast tokenizer with the chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -46,7 +46,17 @@ def resolve_target_path(target_cfg) -> str:
 
 
 def text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    """The decoder's text config: a multimodal model's language-model section, the config itself for a plain
+    causal LM. The one definition (targets, drafters, decoding, training read sizes through it); ``decoder=True``
+    looks only at decoder-side sections (a causal LM target generates text)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def gather_taps(hidden_states, taps) -> torch.Tensor:
+    """EAGLE-3's tap features: the HF ``hidden_states`` entries ``taps`` (indices, docs/design.md "Hidden-state
+    taps") concatenated in that order on the last dim -> ``[..., len(taps) * H]``. The one definition (training
+    capture, offline capture, the decoder's target runner)."""
+    return torch.cat([hidden_states[i] for i in taps], dim=-1)
 
 
 def num_layers(model) -> int:

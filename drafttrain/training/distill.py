@@ -22,20 +22,16 @@ into the saved model and also kept in ``final/adapter/``.
 """
 from __future__ import annotations
 
-import copy
 import random
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from ..data.chat import stop_token_ids
 from ..data.packing import lm_inputs
-from ..drafters.draft_lm import build_draft_lm, on_policy_records, sample_on_policy
-from ..io import DraftTrainError, atomic_dir
+from ..drafters.draft_lm import DraftLM, build_draft_lm, on_policy_records, sample_on_policy
+from ..io import DraftTrainError
 from ..losses import KD_KINDS, ce_loss, kd_loss, next_token_mask
-
-DRAFTER_TYPE = "draft_lm"
 
 
 def parse_loss(spec: str) -> str | dict[str, float]:
@@ -61,41 +57,6 @@ def prompt_len(example: dict) -> int:
     """Tokens before the first loss (assistant) token: the prompt an on-policy continuation starts from."""
     lm = example["loss_mask"]
     return next((i for i, m in enumerate(lm) if m), len(lm))
-
-
-class DraftLM(nn.Module):
-    """The trained draft: ``forward(input_ids, attention_mask) -> logits [B, T, V]``."""
-
-    def __init__(self, lm: nn.Module, tokenizer=None, target_name: str = "", lora: bool = False):
-        super().__init__()
-        self.lm = lm
-        self.tokenizer = tokenizer
-        self.target_name = target_name
-        self.lora = lora
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
-        return self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=False).logits
-
-    def trainable_parameters(self):
-        return [p for p in self.parameters() if p.requires_grad]
-
-    def base_model(self) -> nn.Module:
-        """The plain HF model (adapters merged, on a copy, when LoRA is used)."""
-        if not self.lora:
-            return self.lm
-        return copy.deepcopy(self.lm).merge_and_unload()
-
-    def save_pretrained(self, directory, overwrite: bool = True) -> None:
-        model = self.base_model()
-        model.config.drafter_type = DRAFTER_TYPE
-        model.config.target_name_or_path = self.target_name
-        with atomic_dir(directory, overwrite=overwrite) as tmp:
-            model.save_pretrained(str(tmp), safe_serialization=True)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(str(tmp))
-            if self.lora:
-                self.lm.save_pretrained(str(tmp / "adapter"), safe_serialization=True)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from ..drafters.eagle3 import Eagle3Drafter
 from ..io import DraftTrainError
 from ..losses import (EAGLE3_LOSSES, Eagle3Teacher, combine_step_losses, eagle3_step_stats, eagle3_valid_mask,
                       step_weights, teacher_from_hidden, teacher_from_logits)
-from ..targets.load import num_layers, resolve_taps
+from ..targets.load import gather_taps, num_layers, resolve_taps, text_config
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Capture:
 
 
 def _softcap(model) -> float | None:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model.config)
     return getattr(cfg, "final_logit_softcapping", None) or None
 
 
@@ -110,7 +110,7 @@ class Eagle3Method:
             out = decoder(input_ids=batch["input_ids"], **lm_inputs(batch), output_hidden_states=True,
                           use_cache=False)
             teacher = compact_teacher(target_model, out.last_hidden_state, d2t)
-        taps = torch.cat([out.hidden_states[i] for i in self.taps], dim=-1)
+        taps = gather_taps(out.hidden_states, self.taps)
         return Capture(taps=taps, teacher=teacher)
 
     # capture.mode=offline: the loop reads these features of the batch's rows from the store

@@ -26,23 +26,23 @@ Saved layouts (``final/``): Medusa-1: a MedusaHeads directory (vLLM Medusa forma
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..artifacts import load_medusa  # re-exported (__all__): scripts/compare.py imports it from here
+from ..artifacts import (ADAPTER_DIR, ADAPTER_KEY, CONFIG_NAME, HEADS_DIR, HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE,
+                         TARGET_KEY, TYPE_KEY, WEIGHTS_NAME, load_medusa_heads)
 from ..data.packing import lm_inputs
 from ..decoding.tree import medusa_choices_from_accuracy
-from ..drafters.medusa import MEDUSA2_TYPE, MedusaHeads, final_hidden
-from ..io import DraftTrainError, atomic_dir, read_json, save_tensors, write_json
+from ..drafters.medusa import MedusaHeads, final_hidden
+from ..io import DraftTrainError, atomic_dir, save_tensors, write_json
 from ..lora import add_lora, lora_target_modules
 from ..losses import (combine_step_losses, kd_loss, medusa_head_stats, medusa_head_weights, medusa_valid_mask,
                       next_token_mask)
 
-__all__ = ["MedusaTrainable", "MedusaMethod", "self_distillation_kl", "load_medusa"]
+__all__ = ["MedusaTrainable", "MedusaMethod", "self_distillation_kl"]
 
 
 # ------------------------------------------------------------------------------------------ modules
@@ -102,27 +102,28 @@ class MedusaTrainable(nn.Module):
         return cfg
 
     def _write_heads(self, directory: Path) -> None:
-        write_json(directory / "config.json", self._heads_config())
-        save_tensors(directory / "model.safetensors", dict(self.heads.state_dict()),
-                     metadata={"format": "pt", "drafter_type": "medusa"})
+        write_json(directory / CONFIG_NAME, self._heads_config())
+        save_tensors(directory / WEIGHTS_NAME, dict(self.heads.state_dict()),
+                     metadata={"format": "pt", TYPE_KEY: MEDUSA_TYPE})
 
     def save_pretrained(self, directory, overwrite: bool = True) -> None:
+        """The medusa / medusa2 layouts of drafttrain/artifacts.py (read back by ``artifacts.load_medusa``)."""
         with atomic_dir(directory, overwrite=overwrite) as tmp:
             if not self.joint:
                 self._write_heads(tmp)
                 return
-            (tmp / "heads").mkdir()
-            self._write_heads(tmp / "heads")
-            self.peft.save_pretrained(str(tmp / "adapter"), safe_serialization=True)
-            write_json(tmp / "config.json", {
-                "drafter_type": MEDUSA2_TYPE,
-                "heads": "heads",
-                "adapter": "adapter",
+            (tmp / HEADS_DIR).mkdir()
+            self._write_heads(tmp / HEADS_DIR)
+            self.peft.save_pretrained(str(tmp / ADAPTER_DIR), safe_serialization=True)
+            write_json(tmp / CONFIG_NAME, {
+                TYPE_KEY: MEDUSA2_TYPE,
+                HEADS_KEY: HEADS_DIR,
+                ADAPTER_KEY: ADAPTER_DIR,
                 "target_modified": True,
                 "num_heads": self.heads.num_heads,
                 "vocab_size": self.heads.vocab_size,
                 "hidden_size": self.heads.hidden_size,
-                "target_name_or_path": self.heads.target_name_or_path,
+                TARGET_KEY: self.heads.target_name_or_path,
                 "note": "Medusa-2 adapts the target: decode with the target + adapter/ (merged), heads/ as drafter",
             })
 
@@ -184,7 +185,7 @@ class MedusaMethod:
     def build_drafter(self, target_model, examples, target_name: str) -> MedusaTrainable:
         c = self.cfg
         if c.init_heads:
-            heads = _load_heads(c.init_heads)
+            heads = load_medusa_heads(c.init_heads)
             if heads.num_heads != self.K:
                 raise DraftTrainError(f"medusa.init_heads={c.init_heads}: has {heads.num_heads} heads, "
                                       f"medusa.num_heads={self.K}")
@@ -364,12 +365,3 @@ class MedusaMethod:
         return merged, drafter.heads, {**extra, "target_modified": True,
                                        "target_note": "Medusa-2: verified with the LoRA-adapted target (merged); "
                                                       "AR baseline = the adapted target's AR"}
-
-
-# ------------------------------------------------------------------------------------------ loading
-def _load_heads(path: str | os.PathLike) -> MedusaHeads:
-    path = Path(path)
-    cfg = read_json(path / "config.json")
-    if cfg.get("drafter_type") == MEDUSA2_TYPE:
-        path = path / cfg.get("heads", "heads")
-    return MedusaHeads.from_pretrained(path)
