@@ -180,9 +180,12 @@ def run_hydra(config_name: str, task: Callable, overrides: list[str]) -> None:
 
 
 def _train_task(cfg):
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
     from .training.loop import run_train
 
-    return run_train(cfg)
+    return run_train(OmegaConf.to_object(cfg), Path(HydraConfig.get().runtime.output_dir))
 
 
 def _eval_task(cfg):

@@ -102,9 +102,9 @@ def _check_rules(job: str, cfg: DictConfig) -> None:
     if job == "train" and cfg.method == "distill":
         _check_distill(cfg.distill)
     if job == "train" and cfg.capture.mode == "offline":
-        from .training.loop import check_offline
+        from .training.method import refuse_offline
 
-        check_offline(cfg)
+        refuse_offline(cfg)
     if "data" in cfg and job in ("train", "capture") and cfg.data.source == "jsonl" and not cfg.data.path:
         raise DraftTrainError("data.path is required with data=jsonl (the training conversations)")
     if "data" in cfg and cfg.data.num_eval == 0 and (cfg.data.source == "builtin" or (

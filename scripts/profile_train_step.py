@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from drafttrain.data.select import load_training_data
     from drafttrain.targets.load import load_target, target_id
     from drafttrain.training import batching
-    from drafttrain.training.loop import make_method
+    from drafttrain.training.method import make_method
 
     torch.set_num_threads(1)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

@@ -245,7 +245,7 @@ def test_offline_refuses_medusa2_and_on_policy_distillation(setup, tmp_path):
 
     from drafttrain.config import DistillConfig, MedusaConfig
     from drafttrain.training.distill import DistillMethod
-    from drafttrain.training.loop import _check_offline
+    from drafttrain.training.offline import check_store as _check_offline
     from drafttrain.training.medusa import MedusaMethod
 
     model, tok, _, _ = setup
@@ -276,6 +276,7 @@ def test_offline_training_loads_only_the_target_parts_it_needs(setup, tiny_built
     from accelerate.state import AcceleratorState, GradientState
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
 
     import drafttrain.config  # noqa: F401  (registers the structured configs)
     from drafttrain.cli import CONF_DIR
@@ -298,8 +299,7 @@ def test_offline_training_loads_only_the_target_parts_it_needs(setup, tiny_built
                 "train.warmup_steps=1", "train.save_every=1", "data.num_eval=2", "decode.num_prompts=2",
                 "decode.max_new_tokens=8", "decode.warmup=0", "decode.sweep=[]", "decode.plot=false", *extra])
         run.mkdir()  # what Hydra does for a real run
-        monkeypatch.setattr(loop, "_run_dir_from_hydra", lambda: run)
-        return loop.run_train(cfg)
+        return loop.run_train(OmegaConf.to_object(cfg), run)
 
     try:
         train(tmp_path / "a", "train.eval=false")

@@ -194,7 +194,7 @@ def test_launch_with_the_shipped_config_is_quiet_and_prints_a_speed_estimate(tmp
 
 
 def test_step_speed_leaves_out_the_warm_up_step():
-    from drafttrain.training.loop import StepSpeed
+    from drafttrain.training.speed import StepSpeed
 
     clock = iter([0.0, 0.5, 10.0,  # step 1 (warm-up): 10 s
                   10.0, 10.25, 11.0, 11.0, 11.25, 12.0,  # steps 2, 3: 1 s each, a quarter of it in the capture

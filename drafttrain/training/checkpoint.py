@@ -81,7 +81,7 @@ def param_order(drafter, optimizer) -> list[list[str]]:
     return groups
 
 
-def _distributed_kind(accelerator) -> str:
+def distributed_kind(accelerator) -> str:
     return str(getattr(accelerator, "distributed_type", "NO")).split(".")[-1]
 
 
@@ -94,7 +94,7 @@ def _ds_inner_optimizer(optimizer):
 def gather_state(accelerator, wrapped, drafter, optimizer, order: list[list[str]]) -> tuple[dict, dict]:
     """Full weights and AdamW state in the single-process layout. A collective under ZeRO-3 and FSDP: every
     process must call it; the result is complete on the main process (others may get partial copies)."""
-    kind = _distributed_kind(accelerator)
+    kind = distributed_kind(accelerator)
     flat = [n for g in order for n in g]
     if kind == "DEEPSPEED":
         import deepspeed

@@ -32,6 +32,7 @@ from ..data.packing import lm_inputs
 from ..drafters.draft_lm import DraftLM, build_draft_lm, on_policy_records, sample_on_policy
 from ..io import DraftTrainError
 from ..losses import KD_KINDS, ce_loss, kd_loss, next_token_mask
+from .method import MethodDefaults
 
 
 def parse_loss(spec: str) -> str | dict[str, float]:
@@ -64,8 +65,12 @@ class Capture:
     teacher_logits: torch.Tensor  # [B, T, V] float32, the target's
 
 
-class DistillMethod:
+class DistillMethod(MethodDefaults):
     name = "distill"
+
+    @classmethod
+    def from_job(cls, job, tokenizer, target_model):
+        return cls(job.distill, tokenizer, target_model, seed=job.train.seed)
 
     def __init__(self, cfg, tokenizer, target_model, seed: int = 0):
         self.cfg = cfg

@@ -18,6 +18,7 @@ from ..io import DraftTrainError
 from ..losses import (EAGLE3_LOSSES, Eagle3Teacher, combine_step_losses, eagle3_step_stats, eagle3_valid_mask,
                       step_weights, teacher_from_hidden, teacher_from_logits)
 from ..targets.load import gather_taps, num_layers, resolve_taps, text_config
+from .method import MethodDefaults
 
 
 @dataclass
@@ -51,7 +52,7 @@ def ttt_depth(step: int, ttt_steps: int, curriculum: int) -> int:
     return max(1, min(ttt_steps, 1 + (step * ttt_steps) // curriculum))
 
 
-class Eagle3Method:
+class Eagle3Method(MethodDefaults):
     name = "eagle3"
 
     def __init__(self, cfg, tokenizer, target_model):

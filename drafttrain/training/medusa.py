@@ -41,6 +41,7 @@ from ..io import DraftTrainError, atomic_dir, save_tensors, write_json
 from ..lora import add_lora, lora_target_modules
 from ..losses import (combine_step_losses, kd_loss, medusa_head_stats, medusa_head_weights, medusa_valid_mask,
                       next_token_mask)
+from .method import MethodDefaults
 
 __all__ = ["MedusaTrainable", "MedusaMethod", "self_distillation_kl"]
 
@@ -160,8 +161,12 @@ class Capture:
     base_logits: torch.Tensor | None  # Medusa-2 self-distillation: the target without adapters [B, T, V]
 
 
-class MedusaMethod:
+class MedusaMethod(MethodDefaults):
     """``joint=False``: Medusa-1; ``joint=True``: Medusa-2 (see the module docstring)."""
+
+    @classmethod
+    def from_job(cls, job, tokenizer, target_model):
+        return cls(job.medusa, tokenizer, target_model, joint=job.method == "medusa2")
 
     def __init__(self, cfg, tokenizer, target_model, joint: bool = False):
         self.cfg = cfg
