@@ -351,11 +351,12 @@ def answer_with_target(model, tokenizer, examples: Sequence[StructuredExample], 
     left out. Write them with :func:`write_structured_jsonl`; ``data=jsonl data.path=<file>`` trains on them
     (the rows are OpenAI-shaped; the extra ``schema`` key is ignored there) and ``data=structured
     data.path=<file>`` evaluates on them."""
+    from ..data.chat import stop_token_ids as target_stop_tokens
     from ..decoding import NoDraft, SpecDecoder, TargetRunner
     from ..decoding.build import cache_length
     from .grammar import compile_grammar, decode_output
 
-    stops = sorted({int(tokenizer.eos_token_id), *(int(t) for t in (stop_token_ids or []))})
+    stops = sorted({*target_stop_tokens(model, tokenizer, required=True), *(int(t) for t in (stop_token_ids or []))})
     vocab = int(model.config.vocab_size)
     prompts = [e.prompt_ids(tokenizer) for e in examples]
     runner = TargetRunner(model, max_len=cache_length(prompts, max_new_tokens, slack=1))  # AR: no drafts
