@@ -247,7 +247,7 @@ class TrainConfig:
     max_steps: int = num(300, ge=1)  # optimizer updates
     batch_size: int = num(16, ge=1)  # sequences per optimizer update, over all processes
     micro_batch_size: int = num(8, ge=1)  # sequences per forward on one process
-    lr: float = num(3e-4, gt=0)
+    lr: float = num(1e-3, gt=0)  # the recipes of Medusa-1 and the draft model; EAGLE-3 and Medusa-2 set their own
     min_lr_ratio: float = num(0.1, ge=0, le=1)
     warmup_steps: int = num(20, ge=0)
     weight_decay: float = num(0.0, ge=0)

@@ -140,4 +140,42 @@ def test_capture_and_export_require_their_paths():
     with pytest.raises(Exception, match="drafter"):
         OmegaConf.to_object(_compose("export", []))
     with pytest.raises(DraftTrainError, match="capture.path is required"):
-        run_capture_job(_compose("capture", []))
+        run_capture_job(OmegaConf.to_object(_compose("capture", [])))
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flat(v, f"{prefix}.{k}" if prefix else k)
+    else:
+        yield prefix, tree
+
+
+@pytest.mark.parametrize("recipe", _options("recipe"))
+def test_recipes_state_only_what_differs_from_the_schema(recipe):
+    """config.py owns every default: a recipe that restated one would silently override a change made there.
+    Each key a recipe sets (its `method` aside, which names it) must exist in the schema and differ from it."""
+    import yaml
+
+    schema = dict(_flat(OmegaConf.to_container(OmegaConf.structured(C.TrainJob))))
+    stated = dict(_flat(yaml.safe_load((CONF_DIR / "recipe" / f"{recipe}.yaml").read_text())))
+    assert stated.get("method") == recipe
+    for key, value in stated.items():
+        assert key in schema, f"recipe {recipe}: {key} is not a TrainJob key"
+        if key == "method":
+            continue
+        default = schema[key]
+        same = value == default or (isinstance(default, float) and float(value) == default)
+        assert not same, f"recipe {recipe}: {key}={value!r} restates the schema default"
+
+
+def test_every_train_default_is_some_recipes():
+    """No schema default of the train section is dead: each one is what at least one recipe runs with."""
+    import yaml
+
+    schema = dict(_flat(OmegaConf.to_container(OmegaConf.structured(C.TrainJob))))
+    train_keys = [k for k in schema if k.startswith("train.")]
+    recipes = [dict(_flat(yaml.safe_load((CONF_DIR / "recipe" / f"{r}.yaml").read_text())))
+               for r in _options("recipe")]
+    dead = [k for k in train_keys if all(k in r for r in recipes)]
+    assert not dead, f"every recipe overrides {dead}: the schema default is used by none"
