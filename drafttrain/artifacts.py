@@ -52,7 +52,7 @@ CONFIG_NAME = "config.json"  # every saved drafter directory: the drafter's conf
 WEIGHTS_NAME = "model.safetensors"  # eagle3 / medusa heads / exported EAGLE-3 tensors (HF names its own)
 TYPE_KEY = "drafter_type"  # config.json key naming the drafter family (absent in an exported EAGLE-3 layout)
 TARGET_KEY = "target_name_or_path"  # config.json key: the target the drafter was trained for
-EAGLE3_TYPE = "eagle3"  # Eagle3Drafter: config.json (+ Eagle3Config fields) + model.safetensors
+EAGLE3_TYPE = "eagle3"  # Eagle3Drafter: config.json (+ Eagle3DrafterConfig fields) + model.safetensors
 MEDUSA_TYPE = "medusa"  # MedusaHeads: vLLM's Medusa layout (config.json + model.safetensors)
 MEDUSA2_TYPE = "medusa2"  # config.json pointing at HEADS_DIR (a medusa directory) and ADAPTER_DIR (peft LoRA)
 DRAFT_LM_TYPE = "draft_lm"  # a plain HF causal LM directory (save_pretrained) + the target's tokenizer
@@ -291,8 +291,8 @@ def _read_sglang_layout(raw: dict, where):
 
 
 def _exported_eagle3_config(raw: dict, where):
-    """The ``Eagle3Config`` an exported config describes (either layout)."""
-    from .drafters.eagle3 import Eagle3Config
+    """The ``Eagle3DrafterConfig`` an exported config describes (either layout)."""
+    from .drafters.eagle3 import Eagle3DrafterConfig
 
     layout = exported_layout(raw)
     if layout is None:
@@ -304,7 +304,7 @@ def _exported_eagle3_config(raw: dict, where):
     _warn_sliding_window(lc, where)
     try:
         rope = lc.get("rope_theta") or (lc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        return Eagle3Config(
+        return Eagle3DrafterConfig(
             hidden_size=int(lc["hidden_size"]), target_hidden_size=int(raw.get("target_hidden_size") or lc["hidden_size"]),
             intermediate_size=int(lc["intermediate_size"]), num_attention_heads=int(lc["num_attention_heads"]),
             num_key_value_heads=int(lc.get("num_key_value_heads") or lc["num_attention_heads"]),

@@ -28,7 +28,7 @@ from drafttrain.decoding import (
 )
 from drafttrain.decoding import engine as engine_mod
 from drafttrain.decoding.sampling import verify_chain_sampling
-from drafttrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafttrain.drafters.eagle3 import Eagle3DrafterConfig, Eagle3Drafter
 
 V, L = 96, 8
 TAPS = (2, L // 2, L - 3)
@@ -527,7 +527,7 @@ def toy_law(target: ToyLM, T, k, p) -> np.ndarray:
 
 
 def toy_eagle3() -> Eagle3Drafter:
-    cfg = Eagle3Config(hidden_size=8, target_hidden_size=4, intermediate_size=16, num_attention_heads=2,
+    cfg = Eagle3DrafterConfig(hidden_size=8, target_hidden_size=4, intermediate_size=16, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=4, vocab_size=TOY_V, draft_vocab_size=4,
                        tap_layers=[0, 1, 1], initializer_range=0.6)
     torch.manual_seed(3)

@@ -7,7 +7,7 @@ import transformers as tf
 from drafttrain.data.vocab import build_draft_vocab
 from drafttrain.drafters.eagle3 import (
     Eagle3Cache,
-    Eagle3Config,
+    Eagle3DrafterConfig,
     Eagle3Drafter,
     masked_attention,
     ttt_attention,
@@ -332,11 +332,11 @@ def test_save_load_round_trip(llama, tmp_path):
 
 
 def test_config_json_round_trip():
-    c = Eagle3Config(hidden_size=8, target_hidden_size=16, intermediate_size=12, num_attention_heads=2,
+    c = Eagle3DrafterConfig(hidden_size=8, target_hidden_size=16, intermediate_size=12, num_attention_heads=2,
                      num_key_value_heads=1, head_dim=4, vocab_size=20, draft_vocab_size=10, tap_layers=(1, 2, 3))
-    assert Eagle3Config.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    assert Eagle3DrafterConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
     with pytest.raises(DraftTrainError, match="draft_vocab_size"):
-        Eagle3Config(hidden_size=8, target_hidden_size=16, intermediate_size=12, num_attention_heads=2,
+        Eagle3DrafterConfig(hidden_size=8, target_hidden_size=16, intermediate_size=12, num_attention_heads=2,
                      num_key_value_heads=1, head_dim=4, vocab_size=20, draft_vocab_size=30)
 
 

@@ -13,7 +13,7 @@ from drafttrain.data.vocab import build_draft_vocab
 from drafttrain.decoding.engine import SpecDecoder
 from drafttrain.decoding.proposers import Eagle3ChainProposer, NoDraft
 from drafttrain.decoding.target import TargetRunner
-from drafttrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafttrain.drafters.eagle3 import Eagle3DrafterConfig, Eagle3Drafter
 from drafttrain.io import DraftTrainError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,7 +62,7 @@ def test_drafter_rotates_like_the_target(kind):
     torch.testing.assert_close(cos, ref_cos[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(sin, ref_sin[0], atol=1e-6, rtol=1e-5)
     if kind is not None:  # and the scaling matters: unscaled RoPE would differ
-        plain = Eagle3Drafter(Eagle3Config(**{**d.config.to_dict(), "rope_scaling": None}))
+        plain = Eagle3Drafter(Eagle3DrafterConfig(**{**d.config.to_dict(), "rope_scaling": None}))
         assert (plain.rotary(pos, torch.float32)[0] - cos).abs().max() > 1e-2
 
 

@@ -42,7 +42,7 @@ from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_t
 from drafttrain.targets.load import text_config
 
 __all__ = [
-    "Eagle3Config",
+    "Eagle3DrafterConfig",
     "Eagle3Cache",
     "Eagle3Drafter",
     "ttt_reference_mask",
@@ -56,7 +56,7 @@ DRAFTER_TYPE = EAGLE3_TYPE  # the saved layout (file names, drafter_type): draft
 
 # ----------------------------------------------------------------------------------------------- config
 @dataclass
-class Eagle3Config:
+class Eagle3DrafterConfig:
     hidden_size: int
     target_hidden_size: int
     intermediate_size: int
@@ -112,13 +112,13 @@ class Eagle3Config:
             problems.append(f"rope_type {rtype!r} is not implemented by the drafter (implemented: default, "
                             f"{', '.join(SCALED_ROPE_TYPES[1:])}; dynamic / longrope depend on the sequence length)")
         if problems:
-            raise DraftTrainError("invalid Eagle3Config: " + "; ".join(problems))
+            raise DraftTrainError("invalid Eagle3DrafterConfig: " + "; ".join(problems))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Eagle3Config":
+    def from_dict(cls, d: dict[str, Any]) -> "Eagle3DrafterConfig":
         names = {f.name for f in dataclasses.fields(cls)}
         required = {f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
@@ -352,7 +352,7 @@ def _shift_left(input_ids: torch.Tensor, n: int, pad_id: int = 0) -> torch.Tenso
 
 # ---------------------------------------------------------------------------------------------- modules
 class Eagle3Attention(nn.Module):
-    def __init__(self, cfg: Eagle3Config, in_dim: int) -> None:
+    def __init__(self, cfg: Eagle3DrafterConfig, in_dim: int) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -397,7 +397,7 @@ class Eagle3Layer(nn.Module):
     Layer 0's residual is its input hidden stream, or with ``norm_before_residual`` that stream's
     ``hidden_norm`` output (the one the attention reads)."""
 
-    def __init__(self, cfg: Eagle3Config, first: bool) -> None:
+    def __init__(self, cfg: Eagle3DrafterConfig, first: bool) -> None:
         super().__init__()
         H = cfg.hidden_size
         self.first = first
@@ -485,7 +485,7 @@ class Eagle3Cache:
 
 # ---------------------------------------------------------------------------------------------- drafter
 class Eagle3Drafter(nn.Module):
-    def __init__(self, config: Eagle3Config, d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None) -> None:
+    def __init__(self, config: Eagle3DrafterConfig, d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
         c = config
@@ -565,7 +565,7 @@ class Eagle3Drafter(nn.Module):
             raise DraftTrainError(f"tap_layers must be 3 hidden_states indices in [0, {L}], got {list(tap_layers)}")
         if emb.shape[1] != H:
             raise DraftTrainError(f"target embedding width {emb.shape[1]} != hidden_size {H}")
-        config = Eagle3Config(
+        config = Eagle3DrafterConfig(
             hidden_size=H,
             target_hidden_size=H,
             intermediate_size=int(_cfg_get(cfg, "intermediate_size", default=4 * H)),
@@ -840,7 +840,7 @@ class Eagle3Drafter(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, device=None) -> "Eagle3Drafter":
         directory = Path(directory)
-        config = Eagle3Config.from_dict(read_drafter_config(directory, CONFIG_NAME, DRAFTER_TYPE))
+        config = Eagle3DrafterConfig.from_dict(read_drafter_config(directory, CONFIG_NAME, DRAFTER_TYPE))
         weights = directory / WEIGHTS_NAME
         sd = load_tensors(weights)
         if "d2t" not in sd or "t2d" not in sd:
