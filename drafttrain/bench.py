@@ -20,6 +20,7 @@ tune: see :mod:`drafttrain.decoding.tune`; writes ``tune.json`` and prints the c
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -123,91 +124,93 @@ def _identical(a_outs, b_outs) -> bool:
     return all(a == b for a, b in zip(a_outs, b_outs))
 
 
-@torch.no_grad()
-def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=("ar", "draft_model", "pld",
-          "eagle3", "eagle3_tree"), max_new_tokens=128, warmup=1, runs=3, num_draft_tokens=4, pld_num_tokens=10,
-          pld_max_ngram=3, pld_tree_branches=4, pld_tree_nodes=32, tree=None, cache="auto", static_shapes=False,
-          compile=False, buckets=DEFAULT_BUCKETS,
-          hf_num_assistant_tokens=None, eagle3_num_draft_tokens=None, log=print) -> dict:
-    """Run the benchmark; returns ``{"rows": [...], ...}`` (see the module docstring)."""
-    from transformers.utils import logging as hf_logging
+@dataclasses.dataclass
+class _Plan:
+    """The benchmark's settings on one target, and what its rows share: one runner per tap set (each
+    generate() resets it) and HF's plain generate() (the baseline of several rows)."""
 
-    from .config import DecodeConfig, TreeConfig
-    from .decoding import SpecDecoder, TargetRunner
-    from .decoding.build import cache_length, make_proposer, target_taps
-    from .data.chat import stop_token_ids
+    model: object
+    eos: list
+    pad: int
+    max_new_tokens: int
+    max_len: int
+    rkw: dict  # TargetRunner options
+    num_draft_tokens: int
+    pld_num_tokens: int
+    pld_max_ngram: int
+    pld_tree_branches: int
+    pld_tree_nodes: int
+    tree_cfg: dict
+    static_shapes: bool
+    compile: bool
+    buckets: tuple
+    hf_num_assistant_tokens: int | None
+    eagle3_num_draft_tokens: int | None
+    runners: dict = dataclasses.field(default_factory=dict)
+    hf_ar: object = None
 
-    if not prompts:
-        raise DraftTrainError("bench: no prompts")
-    hf_logging.set_verbosity_error()
-    eos = sorted(stop_token_ids(model, tokenizer))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    tree_cfg = dict(depth=6, top_k=8, total_tokens=48) if tree is None else dict(tree)
-    max_len = cache_length(prompts, max_new_tokens, max(num_draft_tokens, pld_num_tokens, tree_cfg["total_tokens"]))
-    rkw = dict(max_len=max_len, cache=cache, static_shapes=static_shapes, compile=compile, buckets=tuple(buckets),
-               timing=False)
-    taps = target_taps("eagle3", drafter) if drafter is not None else None
-
-    def proposer(method, drafter=None, k=1, **tree):
+    def proposer(self, method, drafter=None, k=1, **tree):
         """A row's proposer, as ``drafttrain eval decode.method=<method>`` builds it: ``k`` draft tokens (pld), a
         tree when given its depth, top_k and total_tokens."""
-        decode = DecodeConfig(method=method, num_draft_tokens=k, pld_max_ngram=pld_max_ngram,
-                              tree=TreeConfig(enabled=bool(tree), **tree), static_shapes=static_shapes,
-                              compile=compile, buckets=list(buckets))
-        return make_proposer(method, drafter=drafter, decode=decode, max_len=max_len)
+        from .config import DecodeConfig, TreeConfig
+        from .decoding.build import make_proposer
 
-    runners: dict = {}  # one runner per tap set, shared by the methods (each generate() resets it)
+        decode = DecodeConfig(method=method, num_draft_tokens=k, pld_max_ngram=self.pld_max_ngram,
+                              tree=TreeConfig(enabled=bool(tree), **tree), static_shapes=self.static_shapes,
+                              compile=self.compile, buckets=list(self.buckets))
+        return make_proposer(method, drafter=drafter, decode=decode, max_len=self.max_len)
 
-    def ours(label, proposer, K, taps=None):
-        if taps not in runners:
-            runners[taps] = TargetRunner(model, taps=taps, **rkw)
-        return _Ours(label, SpecDecoder(runners[taps], proposer, K), eos, max_new_tokens)
+    def ours(self, label, proposer, K, taps=None):
+        from .decoding import SpecDecoder, TargetRunner
 
-    hf_ar = _HF("generate()", model, eos, pad, max_new_tokens)
-    pairs = []  # (method, ours, hf, label details)
-    for m in methods:
+        if taps not in self.runners:
+            self.runners[taps] = TargetRunner(self.model, taps=taps, **self.rkw)
+        return _Ours(label, SpecDecoder(self.runners[taps], proposer, K), self.eos, self.max_new_tokens)
+
+    def hf(self, label, **gen_kw):
+        return _HF(label, self.model, self.eos, self.pad, self.max_new_tokens, **gen_kw)
+
+    def pair(self, m: str, drafter, draft_model, taps, log):
+        """The row of method ``m``: ``(name, ours, hf, detail)``, or None when its drafter is missing."""
         if m == "ar":
-            pairs.append(("ar", ours("ar", proposer("ar"), 0), hf_ar, ""))
-        elif m == "draft_model":
+            return "ar", self.ours("ar", self.proposer("ar"), 0), self.hf_ar, ""
+        if m == "draft_model":
             if draft_model is None:
                 log("[bench] no draft model: skipping draft_model")
-                continue
-            kw = {"assistant_model": draft_model}
-            if hf_num_assistant_tokens:
-                draft_model.generation_config.num_assistant_tokens = int(hf_num_assistant_tokens)
+                return None
+            if self.hf_num_assistant_tokens:
+                draft_model.generation_config.num_assistant_tokens = int(self.hf_num_assistant_tokens)
                 draft_model.generation_config.num_assistant_tokens_schedule = "constant"
-            prop = proposer("draft_model", draft_model)
-            pairs.append(("draft_model", ours("draft_model", prop, num_draft_tokens),
-                          _HF("generate(assistant_model=...)", model, eos, pad, max_new_tokens, **kw),
-                          f"K={num_draft_tokens}"))
-        elif m == "pld":
-            pairs.append(("pld", ours("pld", proposer("pld", k=pld_num_tokens), pld_num_tokens),
-                          _HF(f"generate(prompt_lookup_num_tokens={pld_num_tokens})", model, eos, pad, max_new_tokens,
-                              prompt_lookup_num_tokens=pld_num_tokens, max_matching_ngram_size=pld_max_ngram),
-                          f"{pld_num_tokens} tokens, n-gram <= {pld_max_ngram}"))
-        elif m == "pld_tree":
-            prop = proposer("pld", depth=pld_num_tokens, top_k=pld_tree_branches, total_tokens=pld_tree_nodes)
-            pairs.append(("pld tree", ours("pld_tree", prop, pld_num_tokens),
-                          _HF(f"generate(prompt_lookup_num_tokens={pld_num_tokens})", model, eos, pad, max_new_tokens,
-                              prompt_lookup_num_tokens=pld_num_tokens, max_matching_ngram_size=pld_max_ngram),
-                          f"{pld_num_tokens} deep, <= {pld_tree_branches} matches, <= {pld_tree_nodes} nodes"))
-        elif m in ("eagle3", "eagle3_tree"):
+            K = self.num_draft_tokens
+            return ("draft_model", self.ours("draft_model", self.proposer("draft_model", draft_model), K),
+                    self.hf("generate(assistant_model=...)", assistant_model=draft_model), f"K={K}")
+        n, ngram = self.pld_num_tokens, self.pld_max_ngram
+        if m in ("pld", "pld_tree"):
+            hf = self.hf(f"generate(prompt_lookup_num_tokens={n})", prompt_lookup_num_tokens=n,
+                         max_matching_ngram_size=ngram)
+            if m == "pld":
+                return "pld", self.ours("pld", self.proposer("pld", k=n), n), hf, f"{n} tokens, n-gram <= {ngram}"
+            prop = self.proposer("pld", depth=n, top_k=self.pld_tree_branches, total_tokens=self.pld_tree_nodes)
+            return ("pld tree", self.ours("pld_tree", prop, n), hf,
+                    f"{n} deep, <= {self.pld_tree_branches} matches, <= {self.pld_tree_nodes} nodes")
+        if m in ("eagle3", "eagle3_tree"):
             if drafter is None:
                 log(f"[bench] no EAGLE-3 drafter: skipping {m}")
-                continue
+                return None
             if m == "eagle3":
-                prop = proposer("eagle3", drafter)
-                ke = int(eagle3_num_draft_tokens or num_draft_tokens)
-                pairs.append(("eagle3 chain", ours(m, prop, ke, taps), hf_ar, f"K={ke}"))
-            else:
-                prop = proposer("eagle3", drafter, **tree_cfg)
-                pairs.append(("eagle3 tree", ours(m, prop, tree_cfg["depth"], taps), hf_ar,
-                              "depth {depth}, top-k {top_k}, {total_tokens} nodes".format(**tree_cfg)))
-        else:
-            raise DraftTrainError(f"bench: unknown method {m!r} (ar, draft_model, pld, pld_tree, eagle3, eagle3_tree)")
+                ke = int(self.eagle3_num_draft_tokens or self.num_draft_tokens)
+                return "eagle3 chain", self.ours(m, self.proposer("eagle3", drafter), ke, taps), self.hf_ar, f"K={ke}"
+            tc = self.tree_cfg
+            return ("eagle3 tree", self.ours(m, self.proposer("eagle3", drafter, **tc), tc["depth"], taps), self.hf_ar,
+                    "depth {depth}, top-k {top_k}, {total_tokens} nodes".format(**tc))
+        raise DraftTrainError(f"bench: unknown method {m!r} (ar, draft_model, pld, pld_tree, eagle3, eagle3_tree)")
 
-    # warm-up passes over all prompts: first calls pay for allocation, lazy initialisation, kernel selection
-    # and (compile=True) one compilation per shape, which must all happen before timing
+
+def _timed_passes(pairs, prompts, hf_ar, warmup: int, runs: int, log):
+    """Warm-up passes over all prompts (first calls pay for allocation, lazy initialisation, kernel selection
+    and, compile=True, one compilation per shape, which must all happen before timing), then ``runs`` timed
+    passes, ours and HF alternating who goes first. Returns per runner (by id) tokens/s and tau of each pass,
+    and its outputs."""
     for _ in range(warmup):
         for _, o, h, _ in pairs:
             o.run(prompts)
@@ -230,6 +233,10 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
                     hf_done.add(id(x))
         hf_done.clear()
         log(f"[bench] pass {r + 1}/{runs} done")
+    return times, taus, outs
+
+
+def _rows(pairs, times, taus, outs, hf_ar) -> list[dict]:
     ar_outs = next((outs[id(o)] for name, o, h, _ in pairs if name == "ar"), outs[id(hf_ar)] if id(hf_ar) in outs
                    else None)
     rows = []
@@ -252,8 +259,40 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
             "ours_runs_tokens_per_s": times[id(o)],
             "hf_runs_tokens_per_s": times[id(h)],
         })
-    return {"rows": rows, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "runs": runs,
-            "warmup": warmup, "new_tokens_per_pass": sum(len(t) for t in outs[id(hf_ar)]) if id(hf_ar) in outs else None,
+    return rows
+
+
+@torch.no_grad()
+def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=("ar", "draft_model", "pld",
+          "eagle3", "eagle3_tree"), max_new_tokens=128, warmup=1, runs=3, num_draft_tokens=4, pld_num_tokens=10,
+          pld_max_ngram=3, pld_tree_branches=4, pld_tree_nodes=32, tree=None, cache="auto", static_shapes=False,
+          compile=False, buckets=DEFAULT_BUCKETS,
+          hf_num_assistant_tokens=None, eagle3_num_draft_tokens=None, log=print) -> dict:
+    """Run the benchmark; returns ``{"rows": [...], ...}`` (see the module docstring)."""
+    from transformers.utils import logging as hf_logging
+
+    from .decoding.build import cache_length, target_taps
+    from .data.chat import stop_token_ids
+
+    if not prompts:
+        raise DraftTrainError("bench: no prompts")
+    hf_logging.set_verbosity_error()
+    eos = sorted(stop_token_ids(model, tokenizer))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    tree_cfg = dict(depth=6, top_k=8, total_tokens=48) if tree is None else dict(tree)
+    max_len = cache_length(prompts, max_new_tokens, max(num_draft_tokens, pld_num_tokens, tree_cfg["total_tokens"]))
+    plan = _Plan(model, eos, pad, max_new_tokens, max_len,
+                 dict(max_len=max_len, cache=cache, static_shapes=static_shapes, compile=compile,
+                      buckets=tuple(buckets), timing=False),
+                 num_draft_tokens, pld_num_tokens, pld_max_ngram, pld_tree_branches, pld_tree_nodes, tree_cfg,
+                 static_shapes, compile, tuple(buckets), hf_num_assistant_tokens, eagle3_num_draft_tokens)
+    taps = target_taps("eagle3", drafter) if drafter is not None else None
+    plan.hf_ar = hf_ar = plan.hf("generate()")
+    pairs = [p for p in (plan.pair(m, drafter, draft_model, taps, log) for m in methods) if p is not None]
+    times, taus, outs = _timed_passes(pairs, prompts, hf_ar, warmup, runs, log)
+    return {"rows": _rows(pairs, times, taus, outs, hf_ar), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "runs": runs, "warmup": warmup,
+            "new_tokens_per_pass": sum(len(t) for t in outs[id(hf_ar)]) if id(hf_ar) in outs else None,
             "device": str(next(model.parameters()).device), "threads": torch.get_num_threads(),
             "cache": cache, "static_shapes": static_shapes, "compile": compile,
             "buckets": list(buckets) if static_shapes else None}
@@ -306,12 +345,11 @@ def _load_eagle3(path, model):
     return d.eval()
 
 
-def run_bench(cfg) -> dict:
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
+def run_bench(job, run_dir: Path) -> dict:
+    """``drafttrain bench``: ``job`` is a ``BenchJob`` (drafttrain/config.py); bench.json and bench.md go into
+    ``run_dir``."""
+    from .io import atomic_path
 
-    job = OmegaConf.to_object(cfg)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
     model, tokenizer, path, tname, prompts = _setup(job)
     dev = next(model.parameters()).device
     drafter = _load_eagle3(job.drafter, model)
@@ -332,9 +370,8 @@ def run_bench(cfg) -> dict:
     res.update(target=tname, drafter=job.drafter, draft_model=dm_path, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
     table = format_table(res)
     print("\n" + table + "\n", flush=True)
+    run_dir = Path(run_dir)
     write_json(run_dir / "bench.json", res)
-    from .io import atomic_path
-
     with atomic_path(run_dir / "bench.md") as tmp:
         Path(tmp).write_text(table + "\n")
     print(f"[drafttrain] bench: {run_dir / 'bench.json'}", flush=True)
@@ -342,19 +379,66 @@ def run_bench(cfg) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- tune
+def _tune_chain(runner, proposer, decode_all, verify: dict, max_draft_tokens: int) -> dict:
+    """Chains: acceptance per position and draft costs at the longest draft length; the best K."""
+    from .decoding import SpecDecoder
+    from .decoding.tune import choose_chain_length
+
+    K = max_draft_tokens
+    if getattr(proposer, "name", "") == "medusa":
+        K = min(K, proposer.heads.num_heads)
+    saved = getattr(proposer, "num_tokens", None)
+    if saved is not None:
+        proposer.num_tokens = K
+    cal = decode_all(SpecDecoder(runner, proposer, K))
+    if saved is not None:
+        proposer.num_tokens = saved
+    draft_per_token = cal["time_draft"] / max(cal["num_drafted"], 1)
+    other = cal["time_other"] / max(cal["num_rounds"], 1)
+    choice = choose_chain_length(cal["acceptance_per_position"], verify, draft_per_token, other, K)
+    out = dict(kind="chain", acceptance_per_position=cal["acceptance_per_position"],
+               draft_cost_per_token_s=draft_per_token, other_cost_per_round_s=other, **choice)
+    best = choice["best"]
+    out["overrides"] = [f"decode.num_draft_tokens={best['K']}"] if best and best["K"] > 0 else \
+        ["decode.method=ar  (no draft length beats plain decoding here)"]
+    return out
+
+
+def _tune_tree(runner, proposer, decode, decode_all, verify: dict, tree_sizes, other_ar: float, ar_round: float,
+               log) -> dict:
+    """Trees: tau and draft time measured at each size of ``tree_sizes``; the best total_tokens."""
+    from .decoding import SpecDecoder
+    from .decoding.tune import choose_tree_size
+
+    measured = []
+    for size in tree_sizes:
+        if hasattr(proposer, "total_tokens"):
+            proposer.total_tokens = int(size)
+        dec = SpecDecoder(runner, proposer, int(getattr(proposer, "depth", decode.tree.depth)))
+        agg = decode_all(dec)
+        measured.append({"total_tokens": int(size), "tau": agg["tau"], "nodes_per_round": agg["nodes_per_round"],
+                         "draft_time_per_round": agg["time_draft"] / max(agg["num_rounds"], 1),
+                         "measured_tokens_per_s": agg["tokens_per_s"]})
+        log(f"[tune] tree {size} nodes: tau {agg['tau']:.2f}")
+    choice = choose_tree_size(measured, verify, other_ar, ar_round)
+    out = dict(kind="tree", **choice)
+    best = choice["best"]
+    out["overrides"] = [f"decode.tree.total_tokens={best['total_tokens']}"] if best else []
+    return out
+
+
 @torch.no_grad()
 def tune(model, tokenizer, prompts, proposer, decode, *, taps=None, method: str, max_draft_tokens: int = 8,
          tree_sizes=(8, 16, 32, 48, 64), max_new_tokens: int = 64, repeats: int = 5, log=print) -> dict:
     """Measure acceptance and costs on ``prompts`` and pick the draft length (chains) or tree size (trees)."""
     from .decoding import SpecDecoder, TargetRunner, aggregate
-    from .decoding.tune import choose_chain_length, choose_tree_size, measure_verify_cost
+    from .decoding.build import cache_length, static_options
+    from .decoding.tune import measure_verify_cost
     from .data.chat import stop_token_ids
 
     eos = stop_token_ids(model, tokenizer)
     is_tree = bool(getattr(proposer, "tree", False))
     biggest = max(max_draft_tokens, max(tree_sizes) if is_tree else 0)
-    from .decoding.build import cache_length, static_options
-
     # the runner the decoder will use (same cache, static shapes and compilation), so costs are the real ones
     runner = TargetRunner(model, taps=taps, max_len=cache_length(prompts, max_new_tokens, biggest),
                           cache=decode.cache, timing=False, **static_options(decode, buckets=True))
@@ -378,38 +462,9 @@ def tune(model, tokenizer, prompts, proposer, decode, *, taps=None, method: str,
     ar_round = verify[1] + other_ar
     out = {"method": method, "verify_cost_s": {str(k): v for k, v in verify.items()}, "ar_tokens_per_s": ar["tokens_per_s"]}
     if not is_tree:
-        K = max_draft_tokens
-        if getattr(proposer, "name", "") == "medusa":
-            K = min(K, proposer.heads.num_heads)
-        saved = getattr(proposer, "num_tokens", None)
-        if saved is not None:
-            proposer.num_tokens = K
-        cal = decode_all(SpecDecoder(runner, proposer, K))
-        if saved is not None:
-            proposer.num_tokens = saved
-        draft_per_token = cal["time_draft"] / max(cal["num_drafted"], 1)
-        other = cal["time_other"] / max(cal["num_rounds"], 1)
-        choice = choose_chain_length(cal["acceptance_per_position"], verify, draft_per_token, other, K)
-        out.update(kind="chain", acceptance_per_position=cal["acceptance_per_position"],
-                   draft_cost_per_token_s=draft_per_token, other_cost_per_round_s=other, **choice)
-        best = choice["best"]
-        out["overrides"] = [f"decode.num_draft_tokens={best['K']}"] if best and best["K"] > 0 else \
-            ["decode.method=ar  (no draft length beats plain decoding here)"]
+        out.update(_tune_chain(runner, proposer, decode_all, verify, max_draft_tokens))
     else:
-        measured = []
-        for size in tree_sizes:
-            if hasattr(proposer, "total_tokens"):
-                proposer.total_tokens = int(size)
-            dec = SpecDecoder(runner, proposer, int(getattr(proposer, "depth", decode.tree.depth)))
-            agg = decode_all(dec)
-            measured.append({"total_tokens": int(size), "tau": agg["tau"], "nodes_per_round": agg["nodes_per_round"],
-                             "draft_time_per_round": agg["time_draft"] / max(agg["num_rounds"], 1),
-                             "measured_tokens_per_s": agg["tokens_per_s"]})
-            log(f"[tune] tree {size} nodes: tau {agg['tau']:.2f}")
-        choice = choose_tree_size(measured, verify, other_ar, ar_round)
-        out.update(kind="tree", **choice)
-        best = choice["best"]
-        out["overrides"] = [f"decode.tree.total_tokens={best['total_tokens']}"] if best else []
+        out.update(_tune_tree(runner, proposer, decode, decode_all, verify, tree_sizes, other_ar, ar_round, log))
     return out
 
 
@@ -419,15 +474,10 @@ def _no_draft():
     return NoDraft()
 
 
-def run_tune(cfg) -> dict:
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
+def _tune_proposer(job, model, prompts):
+    """The proposer ``drafttrain tune`` measures, and the drafter (EAGLE-3) it runs on."""
+    from .decoding.build import cache_length, make_proposer
 
-    from .decoding.build import cache_length, make_proposer, target_taps
-
-    job = OmegaConf.to_object(cfg)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    model, tokenizer, path, tname, prompts = _setup(job)
     dev = next(model.parameters()).device
     method = job.decode.method
     drafter = None
@@ -440,9 +490,17 @@ def run_tune(cfg) -> dict:
     max_len = cache_length(prompts, job.max_new_tokens, max(job.max_draft_tokens, *job.tree_sizes))
     if method == "draft_model" and job.decode.draft_model:
         dm, _, _ = load_draft_model(job.decode.draft_model, job.target, dev)
-        proposer = make_proposer(method, drafter=dm, decode=job.decode, max_len=max_len, device=dev)
-    else:
-        proposer = make_proposer(method, drafter=drafter, decode=job.decode, max_len=max_len, device=dev)
+        return make_proposer(method, drafter=dm, decode=job.decode, max_len=max_len, device=dev), drafter
+    return make_proposer(method, drafter=drafter, decode=job.decode, max_len=max_len, device=dev), drafter
+
+
+def run_tune(job, run_dir: Path) -> dict:
+    """``drafttrain tune``: ``job`` is a ``TuneJob`` (drafttrain/config.py); tune.json goes into ``run_dir``."""
+    from .decoding.build import target_taps
+
+    model, tokenizer, path, tname, prompts = _setup(job)
+    method = job.decode.method
+    proposer, drafter = _tune_proposer(job, model, prompts)
     taps = target_taps(method, drafter) if drafter is not None else None
     res = tune(model, tokenizer, prompts, proposer, job.decode, taps=taps, method=method,
                max_draft_tokens=job.max_draft_tokens, tree_sizes=job.tree_sizes, max_new_tokens=job.max_new_tokens,
@@ -455,5 +513,5 @@ def run_tune(cfg) -> dict:
         [f"{r[key]:>12} {r['tau']:>6.2f} {1e3 * r['round_time_s']:>9.2f} {r['tokens_per_s']:>8.1f} "
          f"{(r['speedup_vs_ar'] or 0):>5.2f}x" for r in rows]), flush=True)
     print("[drafttrain] tune picks: " + " ".join(res["overrides"]), flush=True)
-    write_json(run_dir / "tune.json", res)
+    write_json(Path(run_dir) / "tune.json", res)
     return res

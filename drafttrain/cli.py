@@ -180,46 +180,59 @@ def run_hydra(config_name: str, task: Callable, overrides: list[str]) -> None:
 
 
 def _train_task(cfg):
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
-
     from .training.loop import run_train
 
-    return run_train(OmegaConf.to_object(cfg), Path(HydraConfig.get().runtime.output_dir))
+    return run_train(typed_job(cfg), hydra_run_dir())
+
+
+def typed_job(cfg):
+    """The typed job (the config.py dataclass) of a composed config: what library entry points take."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(cfg)
+
+
+def hydra_run_dir() -> Path:
+    """The run directory Hydra made for this job (hydra.run.dir)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
 
 
 def _eval_task(cfg):
     from .eval import run_eval
 
-    return run_eval(cfg)
+    return run_eval(typed_job(cfg), hydra_run_dir())
 
 
 def _build_target_task(cfg):
     from .targets.load import resolve_target_path
 
-    if cfg.target.name_or_path != "builtin":
+    job = typed_job(cfg)
+    if job.target.name_or_path != "builtin":
         from .io import DraftTrainError
 
         raise DraftTrainError("build-target builds the built-in target only (target=builtin)")
-    print(resolve_target_path(cfg.target))
+    print(resolve_target_path(job.target))
 
 
 def _regenerate_task(cfg):
     from .data.regenerate import describe_stats, regenerate_file
     from .targets.load import load_target
 
-    model, tokenizer, _ = load_target(cfg.target)
+    job = typed_job(cfg)
+    model, tokenizer, _ = load_target(job.target)
     stats = regenerate_file(
-        model, tokenizer, cfg.input, cfg.output, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, drop_truncated=cfg.drop_truncated,
+        model, tokenizer, job.input, job.output, batch_size=job.batch_size, max_new_tokens=job.max_new_tokens,
+        temperature=job.temperature, top_p=job.top_p, seed=job.seed, drop_truncated=job.drop_truncated,
     )
-    print(f"[drafttrain] {describe_stats(stats)} -> {cfg.output}", flush=True)
+    print(f"[drafttrain] {describe_stats(stats)} -> {job.output}", flush=True)
 
 
 def _capture_task(cfg):
     from .capture.capture import run_capture_job
 
-    return run_capture_job(cfg)
+    return run_capture_job(typed_job(cfg))
 
 
 def _export_task(cfg):
@@ -231,13 +244,13 @@ def _export_task(cfg):
 def _bench_task(cfg):
     from .bench import run_bench
 
-    return run_bench(cfg)
+    return run_bench(typed_job(cfg), hydra_run_dir())
 
 
 def _tune_task(cfg):
     from .bench import run_tune
 
-    return run_tune(cfg)
+    return run_tune(typed_job(cfg), hydra_run_dir())
 
 
 COMMANDS = {

@@ -196,6 +196,266 @@ def speedup_spread(ar_res, sp_res, n_prompts: int) -> dict:
     }
 
 
+@dataclasses.dataclass
+class EvalRun:
+    """What one evaluation's measure, sweep and report steps share: the prompts, the two decoders (AR and
+    speculative) on their runners, and the grammar of each prompt."""
+
+    model: object
+    tokenizer: object
+    prompts: list
+    proposer: object
+    decode: object
+    method: str
+    K: int  # draft length (trees: depth)
+    eos: object
+    sp_runner: object  # the speculative decoder's TargetRunner (the AR one when no taps are needed)
+    ar: object  # SpecDecoder with NoDraft, K = 0
+    grammars: object  # GrammarPlan: one grammar per prompt
+    compiled: list
+    spec: object = None  # SpecDecoder with the proposer, K
+
+    @property
+    def is_tree(self) -> bool:
+        return bool(getattr(self.proposer, "tree", False))
+
+    @property
+    def is_oracle(self) -> bool:
+        return self.method == "oracle"
+
+    def decoder(self, k: int):
+        """A speculative decoder drafting ``k`` tokens (trees: depth) with the run's sampling settings."""
+        from .decoding.engine import SpecDecoder
+
+        d = self.decode
+        return SpecDecoder(self.sp_runner, self.proposer, k, seed=d.seed, typical=bool(d.typical_acceptance),
+                           typical_epsilon=d.typical_epsilon, typical_delta=d.typical_delta,
+                           draft_temperature=d.draft_temperature, **_sampling(d))
+
+    def gstate(self, i: int):  # a fresh grammar state per generation (None: unconstrained)
+        return None if self.compiled[i] is None else self.compiled[i].state()
+
+    def run_ar(self, i: int, p, n: int | None = None):
+        n = self.decode.max_new_tokens if n is None else n
+        return self.ar.generate(p, n, self.eos, seed=self.decode.seed + i, grammar=self.gstate(i))
+
+    def run_spec(self, dec, i: int, p, ref):
+        if self.is_oracle:
+            self.proposer.set_reference(ref)
+        return dec.generate(p, self.decode.max_new_tokens, self.eos, seed=self.decode.seed + i,
+                            grammar=self.gstate(i))
+
+
+@dataclasses.dataclass
+class Measured:
+    """The timed passes: per prompt and pass, AR and speculative results, whether they match; ``refs``: the
+    first pass's AR tokens per prompt (the oracle's references in the sweep)."""
+
+    ar: list
+    spec: list
+    match: list
+    refs: list
+
+
+def _sampling(decode) -> dict:
+    return dict(temperature=decode.temperature, top_k=decode.top_k, top_p=decode.top_p)
+
+
+def prepare(model, tokenizer, prompts: list[list[int]], proposer, decode, *, method: str, taps=None,
+            grammars=None) -> EvalRun:
+    """Check the settings, build the target runners, the AR and speculative decoders and the grammars."""
+    from .data.chat import stop_token_ids
+    from .decoding.build import decode_cache_length, draft_depth, static_options
+    from .decoding.engine import SpecDecoder
+    from .decoding.proposers import NoDraft
+    from .decoding.target import TargetRunner
+
+    if not prompts:
+        raise DraftTrainError("no evaluation prompts (data.num_eval rows of the evaluation set are empty?)")
+    if decode.cache not in ("auto", "static", "dynamic"):
+        raise DraftTrainError(f"decode.cache={decode.cache}: expected auto, static or dynamic")
+    eos = stop_token_ids(model, tokenizer)
+    rkw = dict(max_len=decode_cache_length(prompts, decode), cache=decode.cache,
+               **static_options(decode, buckets=True))
+    try:
+        ar_runner = TargetRunner(model, taps=None, **rkw)
+        # one runner when no taps are needed: its compiled graphs then serve both decoders
+        sp_runner = ar_runner if not taps else TargetRunner(model, taps=taps, **rkw)
+    except ValueError as e:
+        raise DraftTrainError(f"decode.cache={decode.cache}: {e}") from None
+    if grammars is None:
+        from .structured import grammar_plan
+
+        grammars = grammar_plan(decode.grammar, [[]] * len(prompts), len(prompts))
+    run = EvalRun(model, tokenizer, prompts, proposer, decode, method, draft_depth(proposer, decode), eos,
+                  sp_runner, SpecDecoder(ar_runner, NoDraft(), 0, seed=decode.seed, **_sampling(decode)),
+                  grammars, [])
+    run.spec = run.decoder(run.K)
+    if hasattr(proposer, "agree_fn"):  # the oracle tree's wrong siblings must be real token ids
+        proposer.vocab_size = sp_runner.vocab_size
+    if len(grammars.decode) != len(prompts):
+        raise ValueError(f"{len(grammars.decode)} grammars for {len(prompts)} prompts")
+    run.compiled = grammars.compile(tokenizer, ar_runner.vocab_size, eos)
+    return run
+
+
+def _warmup(run: EvalRun) -> None:
+    """Untimed: first calls pay for allocation and lazy initialisation; compiled, one graph per shape met
+    (every prompt, so no compilation is timed)."""
+    decode, prompts = run.decode, run.prompts
+    for _ in range(decode.warmup):
+        if decode.compile:
+            for i, p in enumerate(prompts):
+                run.run_spec(run.spec, i, p, run.run_ar(i, p).tokens)
+            continue
+        ref = run.run_ar(0, prompts[0], min(16, decode.max_new_tokens))
+        run.run_spec(run.spec, 0, prompts[0], ref.tokens)
+
+
+def measure(run: EvalRun) -> Measured:
+    """``decode.repeats`` timed passes over the prompts after the warm-up; per prompt AR and speculative run
+    back to back, alternating which goes first (the oracle needs AR first)."""
+    from .decoding.engine import aggregate
+
+    decode, prompts = run.decode, run.prompts
+    _warmup(run)
+    m = Measured([], [], [], [])
+    bar = _progress(decode.repeats * len(prompts), f"eval {run.method} vs AR")
+    for rep in range(decode.repeats):
+        for i, p in enumerate(prompts):
+            if run.is_oracle or (i + rep) % 2 == 0:
+                a = run.run_ar(i, p)
+                s = run.run_spec(run.spec, i, p, a.tokens)
+            else:
+                s = run.run_spec(run.spec, i, p, None)
+                a = run.run_ar(i, p)
+            m.ar.append(a)
+            m.spec.append(s)
+            m.match.append(a.tokens == s.tokens)
+            if rep == 0:
+                m.refs.append(a.tokens)
+            bar.update(1)
+            bar.set_postfix_str(f"tau {aggregate(m.spec)['tau'] or 0:.2f}, pass {rep + 1}/{decode.repeats}",
+                                refresh=False)
+    bar.close()
+    return m
+
+
+def sweep(run: EvalRun, m: Measured) -> list[dict]:
+    """Speedup per draft length (``sweep_lengths``) on the first ``decode.sweep_prompts`` prompts, against the
+    AR times of the same prompts (first repeat); [] for AR or when nothing is to be swept."""
+    from .decoding.engine import aggregate
+
+    decode, proposer, prompts = run.decode, run.proposer, run.prompts
+    lengths = sweep_lengths(decode, run.K, proposer)
+    if run.method == "ar" or decode.sweep_prompts <= 0 or not lengths:
+        return []
+    n = min(decode.sweep_prompts, len(prompts))
+    base = aggregate(m.ar[:n])["tokens_per_s"]
+    saved_num_tokens = getattr(proposer, "num_tokens", None)
+    out = []
+    sbar = _progress(len(lengths) * n, f"sweep {run.method} K={','.join(map(str, lengths))}")
+    for k in lengths:
+        if saved_num_tokens is not None:  # prompt lookup caps its drafts at num_tokens
+            proposer.num_tokens = k
+        dec = run.decoder(k)
+        res = []
+        for i, p in enumerate(prompts[:n]):
+            res.append(run.run_spec(dec, i, p, m.refs[i]))
+            sbar.update(1)
+        agg = aggregate(res)
+        out.append({"draft_tokens": k, "prompts": n, "tau": agg["tau"], "alpha": agg["alpha"],
+                    "tokens_per_s": agg["tokens_per_s"],
+                    "speedup": agg["tokens_per_s"] / base if base and agg["tokens_per_s"] else None})
+    sbar.close()
+    if saved_num_tokens is not None:
+        proposer.num_tokens = saved_num_tokens
+    return out
+
+
+def _draft_shape(run: EvalRun, S: dict) -> dict:
+    K, proposer = run.K, run.proposer
+    if run.is_tree:
+        shape = {"kind": "tree", "depth": K, "nodes_per_round": S["nodes_per_round"]}
+        if hasattr(proposer, "top_k"):
+            shape.update(top_k=proposer.top_k, total_tokens=proposer.total_tokens)
+        if hasattr(proposer, "structure"):
+            shape.update(medusa_choices=proposer.structure.choices)
+        shape_str = f"tree depth {K}, {_fmt(S['nodes_per_round'], '.1f')} nodes/round"
+    else:
+        shape = {"kind": "chain", "num_draft_tokens": K}
+        shape_str = f"chain K={K}"
+    return {"draft_shape": shape_str, "draft_tree" if run.is_tree else "draft_chain": shape,
+            "nodes_per_round": S["nodes_per_round"]}
+
+
+def _time_split(S: dict, A: dict) -> dict:
+    return {"frac_target": S["frac_target"], "frac_draft": S["frac_draft"], "frac_other": S["frac_other"],
+            "time_target_s": S["time_target"], "time_draft_s": S["time_draft"], "time_other_s": S["time_other"],
+            "baseline_time_s": A["time_total"]}
+
+
+def _validity(run: EvalRun, m: Measured, S: dict) -> dict:
+    """Structured output: the grammar decoding ran under (None: unconstrained) and the fraction of outputs of
+    the first repeat that validate against it (or, decode.grammar=none on structured rows, each row's schema)."""
+    n_p = len(run.prompts)
+    valid = run.grammars.validate(run.tokenizer, [r.tokens for r in m.spec[:n_p]], run.eos)
+    base_valid = run.grammars.validate(run.tokenizer, [r.tokens for r in m.ar[:n_p]], run.eos)
+    return {"grammar": run.grammars.label, "valid_fraction": valid["valid_fraction"],
+            "baseline_valid_fraction": base_valid["valid_fraction"], "invalid_outputs": valid["failures"],
+            "time_grammar_s": S["time_grammar"], "frac_grammar": S["frac_grammar"]}
+
+
+def build_report(run: EvalRun, m: Measured, swept: list[dict], *, target_name: str, drafter_name: str | None,
+                 train_estimated_tau: float | None = None, extra: dict | None = None) -> dict:
+    """The report (``report.json``) of a measured run and its sweep."""
+    from .decoding.engine import aggregate
+
+    decode = run.decode
+    A, S = aggregate(m.ar), aggregate(m.spec)
+    greedy = decode.temperature == 0
+    report = {
+        "method": run.method, "target": target_name, "drafter": drafter_name, "prompts": len(run.prompts),
+        "new_tokens": S["num_new_tokens"] // max(1, decode.repeats), "num_draft_tokens": run.K,
+        "temperature": decode.temperature, "top_k": decode.top_k, "top_p": decode.top_p,
+        "verification": verification_label(decode, S["lossy"]), "lossy": S["lossy"], "alpha": S["alpha"],
+        "acceptance_unit": "depth" if run.is_tree else "position",
+        "acceptance_per_position": S["acceptance_per_position"], "tau": S["tau"],
+        "tokens_per_s": S["tokens_per_s"], "baseline_tokens_per_s": A["tokens_per_s"],
+        "speedup": (S["tokens_per_s"] / A["tokens_per_s"]) if S["tokens_per_s"] and A["tokens_per_s"] else None,
+        **speedup_spread(m.ar, m.spec, len(run.prompts)),
+        "outputs_match_baseline": all(m.match) if greedy else None,
+        "train_estimated_tau": train_estimated_tau,
+        **_time_split(S, A),
+        **_draft_shape(run, S),
+        "sweep": swept,
+        "cache": run.sp_runner.cache_kind, "static_shapes": run.sp_runner.static_shapes,
+        "repeats": decode.repeats, "device": str(next(run.model.parameters()).device),
+        "mismatched_prompts": [i for i, ok in enumerate(m.match) if not ok] if greedy else [],
+        **_validity(run, m, S),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    if run.is_tree:
+        report["acceptance_per_depth"] = S["acceptance_per_position"]
+    if extra:
+        report.update(extra)
+    return report
+
+
+def write_report(report: dict, run_dir: Path | None, decode) -> None:
+    """Print the table; with a run directory, write ``report.json`` and (``decode.plot``) the plots."""
+    print_table(report)
+    if run_dir is None:
+        return
+    run_dir = Path(run_dir)
+    write_json(run_dir / "report.json", report)
+    if decode.plot and report["acceptance_per_position"]:
+        plot_acceptance(report, run_dir / "acceptance.png")
+    if decode.plot and report["sweep"]:
+        plot_speedup(report, run_dir / "speedup.png")
+    print(f"[drafttrain] report: {run_dir / 'report.json'}", flush=True)
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_dir: Path | None, *,
              method: str, target_name: str, drafter_name: str | None, taps=None,
@@ -210,189 +470,15 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
     ``decode.grammar``). AR and speculative decoding run under the same grammar, so ``outputs_match_baseline``
     compares with *constrained* AR; the report adds ``grammar`` and ``valid_fraction`` (speculative outputs
     that validate; ``baseline_valid_fraction`` for AR).
+
+    The steps, each usable alone: ``prepare`` (decoders), ``measure`` (timed passes), ``sweep`` (draft
+    lengths), ``build_report`` and ``write_report``.
     """
-    from .decoding.build import decode_cache_length, draft_depth, static_options
-    from .decoding.engine import SpecDecoder, aggregate
-    from .decoding.proposers import NoDraft
-    from .decoding.target import TargetRunner
-    from .data.chat import stop_token_ids
-
-    if not prompts:
-        raise DraftTrainError("no evaluation prompts (data.num_eval rows of the evaluation set are empty?)")
-    if decode.cache not in ("auto", "static", "dynamic"):
-        raise DraftTrainError(f"decode.cache={decode.cache}: expected auto, static or dynamic")
-    max_len = decode_cache_length(prompts, decode)
-    eos = stop_token_ids(model, tokenizer)
-    kw = dict(temperature=decode.temperature, top_k=decode.top_k, top_p=decode.top_p)
-    rkw = dict(max_len=max_len, cache=decode.cache, **static_options(decode, buckets=True))
-    try:
-        ar_runner = TargetRunner(model, taps=None, **rkw)
-        # one runner when no taps are needed: its compiled graphs then serve both decoders
-        sp_runner = ar_runner if not taps else TargetRunner(model, taps=taps, **rkw)
-    except ValueError as e:
-        raise DraftTrainError(f"decode.cache={decode.cache}: {e}") from None
-    K = draft_depth(proposer, decode)
-    is_tree = bool(getattr(proposer, "tree", False))
-    typical = bool(decode.typical_acceptance)
-    ar = SpecDecoder(ar_runner, NoDraft(), 0, seed=decode.seed, **kw)
-    spec = SpecDecoder(sp_runner, proposer, K, seed=decode.seed, typical=typical,
-                       typical_epsilon=decode.typical_epsilon, typical_delta=decode.typical_delta,
-                       draft_temperature=decode.draft_temperature, **kw)
-    is_oracle = method == "oracle"
-    if hasattr(proposer, "agree_fn"):  # the oracle tree's wrong siblings must be real token ids
-        proposer.vocab_size = sp_runner.vocab_size
-    if grammars is None:
-        from .structured import grammar_plan
-
-        grammars = grammar_plan(decode.grammar, [[]] * len(prompts), len(prompts))
-    if len(grammars.decode) != len(prompts):
-        raise ValueError(f"{len(grammars.decode)} grammars for {len(prompts)} prompts")
-    compiled = grammars.compile(tokenizer, ar_runner.vocab_size, eos)
-
-    def gstate(i):  # a fresh grammar state per generation (None: unconstrained)
-        return None if compiled[i] is None else compiled[i].state()
-
-    def run_ar(i, p, n=None):
-        n = decode.max_new_tokens if n is None else n
-        return ar.generate(p, n, eos, seed=decode.seed + i, grammar=gstate(i))
-
-    def run_spec(dec, i, p, ref):
-        if is_oracle:
-            proposer.set_reference(ref)
-        return dec.generate(p, decode.max_new_tokens, eos, seed=decode.seed + i, grammar=gstate(i))
-
-    for _ in range(decode.warmup):  # untimed: first calls pay for allocation and lazy initialisation
-        if decode.compile:  # and, compiled, one graph per shape met: every prompt, so no compilation is timed
-            for i, p in enumerate(prompts):
-                run_spec(spec, i, p, run_ar(i, p).tokens)
-            continue
-        ref = run_ar(0, prompts[0], min(16, decode.max_new_tokens))
-        run_spec(spec, 0, prompts[0], ref.tokens)
-    ar_res, sp_res, match = [], [], []
-    refs: list[list[int]] = []
-    bar = _progress(decode.repeats * len(prompts), f"eval {method} vs AR")
-    for rep in range(decode.repeats):
-        for i, p in enumerate(prompts):
-            if is_oracle or (i + rep) % 2 == 0:  # alternate the order; the oracle needs AR first
-                a = run_ar(i, p)
-                s = run_spec(spec, i, p, a.tokens)
-            else:
-                s = run_spec(spec, i, p, None)
-                a = run_ar(i, p)
-            ar_res.append(a)
-            sp_res.append(s)
-            match.append(a.tokens == s.tokens)
-            if rep == 0:
-                refs.append(a.tokens)
-            bar.update(1)
-            bar.set_postfix_str(f"tau {aggregate(sp_res)['tau'] or 0:.2f}, pass {rep + 1}/{decode.repeats}",
-                                refresh=False)
-    bar.close()
-    A, S = aggregate(ar_res), aggregate(sp_res)
-    spread = speedup_spread(ar_res, sp_res, len(prompts))
-    n_p = len(prompts)  # outputs of the first repeat, validated against each prompt's grammar / schema
-    valid = grammars.validate(tokenizer, [r.tokens for r in sp_res[:n_p]], eos)
-    base_valid = grammars.validate(tokenizer, [r.tokens for r in ar_res[:n_p]], eos)
-    greedy = decode.temperature == 0
-    speedup = (S["tokens_per_s"] / A["tokens_per_s"]) if S["tokens_per_s"] and A["tokens_per_s"] else None
-
-    sweep = []
-    if method != "ar" and decode.sweep_prompts > 0 and sweep_lengths(decode, K, proposer):
-        # on the first sweep_prompts prompts, against the AR times of the same prompts (first repeat)
-        m = min(decode.sweep_prompts, len(prompts))
-        base = aggregate(ar_res[:m])["tokens_per_s"]
-        saved_num_tokens = getattr(proposer, "num_tokens", None)
-        lengths = sweep_lengths(decode, K, proposer)
-        sbar = _progress(len(lengths) * m, f"sweep {method} K={','.join(map(str, lengths))}")
-        for k in lengths:
-            if saved_num_tokens is not None:  # prompt lookup caps its drafts at num_tokens
-                proposer.num_tokens = k
-            dec = SpecDecoder(sp_runner, proposer, k, seed=decode.seed, typical=typical,
-                              typical_epsilon=decode.typical_epsilon, typical_delta=decode.typical_delta,
-                              draft_temperature=decode.draft_temperature, **kw)
-            res = []
-            for i, p in enumerate(prompts[:m]):
-                res.append(run_spec(dec, i, p, refs[i]))
-                sbar.update(1)
-            agg = aggregate(res)
-            sweep.append({"draft_tokens": k, "prompts": m, "tau": agg["tau"], "alpha": agg["alpha"],
-                          "tokens_per_s": agg["tokens_per_s"],
-                          "speedup": agg["tokens_per_s"] / base if base and agg["tokens_per_s"] else None})
-        sbar.close()
-        if saved_num_tokens is not None:
-            proposer.num_tokens = saved_num_tokens
-
-    if is_tree:
-        shape = {"kind": "tree", "depth": K, "nodes_per_round": S["nodes_per_round"]}
-        if hasattr(proposer, "top_k"):
-            shape.update(top_k=proposer.top_k, total_tokens=proposer.total_tokens)
-        if hasattr(proposer, "structure"):
-            shape.update(medusa_choices=proposer.structure.choices)
-        shape_str = f"tree depth {K}, {_fmt(S['nodes_per_round'], '.1f')} nodes/round"
-    else:
-        shape = {"kind": "chain", "num_draft_tokens": K}
-        shape_str = f"chain K={K}"
-    report = {
-        "method": method,
-        "target": target_name,
-        "drafter": drafter_name,
-        "prompts": len(prompts),
-        "new_tokens": S["num_new_tokens"] // max(1, decode.repeats),
-        "num_draft_tokens": K,
-        "temperature": decode.temperature,
-        "top_k": decode.top_k,
-        "top_p": decode.top_p,
-        "verification": verification_label(decode, S["lossy"]),
-        "lossy": S["lossy"],
-        "alpha": S["alpha"],
-        "acceptance_unit": "depth" if is_tree else "position",
-        "acceptance_per_position": S["acceptance_per_position"],
-        "tau": S["tau"],
-        "tokens_per_s": S["tokens_per_s"],
-        "baseline_tokens_per_s": A["tokens_per_s"],
-        "speedup": speedup,
-        **spread,
-        "outputs_match_baseline": all(match) if greedy else None,
-        "train_estimated_tau": train_estimated_tau,
-        "frac_target": S["frac_target"],
-        "frac_draft": S["frac_draft"],
-        "frac_other": S["frac_other"],
-        "time_target_s": S["time_target"],
-        "time_draft_s": S["time_draft"],
-        "time_other_s": S["time_other"],
-        "baseline_time_s": A["time_total"],
-        "draft_shape": shape_str,
-        "draft_tree" if is_tree else "draft_chain": shape,
-        "nodes_per_round": S["nodes_per_round"],
-        "sweep": sweep,
-        "cache": sp_runner.cache_kind,
-        "static_shapes": sp_runner.static_shapes,
-        "repeats": decode.repeats,
-        "device": str(next(model.parameters()).device),
-        "mismatched_prompts": [i for i, m in enumerate(match) if not m] if greedy else [],
-        # structured output: the grammar decoding ran under (None: unconstrained) and the fraction of outputs
-        # that validate against it (or, decode.grammar=none on structured rows, against each row's schema)
-        "grammar": grammars.label,
-        "valid_fraction": valid["valid_fraction"],
-        "baseline_valid_fraction": base_valid["valid_fraction"],
-        "invalid_outputs": valid["failures"],
-        "time_grammar_s": S["time_grammar"],
-        "frac_grammar": S["frac_grammar"],
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    if is_tree:
-        report["acceptance_per_depth"] = S["acceptance_per_position"]
-    if extra:
-        report.update(extra)
-    print_table(report)
-    if run_dir is not None:
-        run_dir = Path(run_dir)
-        write_json(run_dir / "report.json", report)
-        if decode.plot and report["acceptance_per_position"]:
-            plot_acceptance(report, run_dir / "acceptance.png")
-        if decode.plot and sweep:
-            plot_speedup(report, run_dir / "speedup.png")
-        print(f"[drafttrain] report: {run_dir / 'report.json'}", flush=True)
+    run = prepare(model, tokenizer, prompts, proposer, decode, method=method, taps=taps, grammars=grammars)
+    measured = measure(run)
+    report = build_report(run, measured, sweep(run, measured), target_name=target_name, drafter_name=drafter_name,
+                          train_estimated_tau=train_estimated_tau, extra=extra)
+    write_report(report, run_dir, decode)
     return report
 
 
@@ -538,56 +624,63 @@ def announce_prompts(prompts: list, convs, limit: int) -> None:
     print(f"[drafttrain] eval: {len(prompts)} prompts: {note}{cap}", flush=True)
 
 
-def run_eval(cfg) -> dict:
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
+def _recorded_target(job) -> str | None:
+    """Resolve ``job.drafter`` (a training checkpoint -> its drafter) and return the target it names, if any."""
+    if not job.drafter:
+        return None
+    from .artifacts import drafter_dir  # a training checkpoint (step_*) -> its drafter
+    from .export import exported_target  # an exported vLLM layout names its verifier
 
+    job.drafter = str(drafter_dir(job.drafter))
+    if not (Path(job.drafter) / "config.json").exists():
+        raise DraftTrainError(f"drafter={job.drafter}: not a saved drafter directory (no config.json)")
+    dcfg = read_json(Path(job.drafter) / "config.json")
+    return dcfg.get("target_name_or_path") or exported_target(dcfg) or None
+
+
+_IMPLIED_METHOD = {"eagle3": "eagle3", "medusa": "medusa", "medusa2": "medusa", "draft_lm": "draft_model"}
+
+
+def _load_job_drafter(job, model, tname: str, recorded: str | None):
+    """The job's saved drafter, checked against the target; ``decode.method`` inferred from it when left at
+    the default. Returns ``(model, drafter, extra)`` (Medusa-2 returns the adapted target)."""
+    if recorded and recorded != tname:
+        raise DraftTrainError(f"drafter={job.drafter} was trained for target {recorded}, but target={tname} was given")
+    kind = read_json(Path(job.drafter) / "config.json").get("drafter_type")
+    if kind in _IMPLIED_METHOD and job.decode.method != _IMPLIED_METHOD[kind]:
+        if job.decode.method != "eagle3":  # eagle3 is the default: infer the method from the drafter
+            raise DraftTrainError(f"drafter={job.drafter} is a {kind} drafter; decode.method="
+                                  f"{job.decode.method} cannot use it (use decode.method={_IMPLIED_METHOD[kind]})")
+        job.decode.method = _IMPLIED_METHOD[kind]
+    extra = None
+    if kind in ("medusa", "medusa2"):  # Medusa-2 also changes the target: merge its LoRA adapter
+        from .artifacts import load_medusa
+
+        model, drafter, extra = load_medusa(job.drafter, model, next(model.parameters()).device)
+        dvocab = drafter.vocab_size
+    else:
+        drafter = load_drafter(job.drafter, next(model.parameters()).device, target_model=model)
+        dvocab = drafter.config.vocab_size
+    tvocab = model.get_output_embeddings().weight.shape[0]
+    if dvocab != tvocab:
+        raise DraftTrainError(f"drafter vocabulary ({dvocab}) differs from the target's ({tvocab})")
+    return model, drafter, extra
+
+
+def run_eval(job, run_dir: Path) -> dict:
+    """``drafttrain eval``: ``job`` is an ``EvalJob`` (drafttrain/config.py); the report goes into ``run_dir``."""
+    from .decoding.build import decode_cache_length, make_proposer
+    from .structured import grammar_plan
     from .targets.load import load_target, target_id
 
-    job = OmegaConf.to_object(cfg)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    recorded = None
-    if job.drafter:
-        from .artifacts import drafter_dir  # a training checkpoint (step_*) -> its drafter
-
-        job.drafter = str(drafter_dir(job.drafter))
-        if not (Path(job.drafter) / "config.json").exists():
-            raise DraftTrainError(f"drafter={job.drafter}: not a saved drafter directory (no config.json)")
-        from .export import exported_target  # an exported vLLM layout names its verifier
-
-        dcfg = read_json(Path(job.drafter) / "config.json")
-        recorded = dcfg.get("target_name_or_path") or exported_target(dcfg) or None
+    recorded = _recorded_target(job)
     if job.target.name_or_path == "auto":
         job.target.name_or_path = recorded if recorded and Path(recorded).exists() else (recorded or "builtin")
     model, tokenizer, path = load_target(job.target)
     tname = target_id(path)
-    drafter = None
+    drafter = extra = None
     if job.drafter:
-        if recorded and recorded != tname:
-            raise DraftTrainError(
-                f"drafter={job.drafter} was trained for target {recorded}, but target={tname} was given"
-            )
-        kind = read_json(Path(job.drafter) / "config.json").get("drafter_type")
-        implied = {"eagle3": "eagle3", "medusa": "medusa", "medusa2": "medusa", "draft_lm": "draft_model"}
-        if kind in implied and job.decode.method != implied[kind]:
-            if job.decode.method != "eagle3":  # eagle3 is the default: infer the method from the drafter
-                raise DraftTrainError(f"drafter={job.drafter} is a {kind} drafter; decode.method="
-                                      f"{job.decode.method} cannot use it (use decode.method={implied[kind]})")
-            job.decode.method = implied[kind]
-        extra = None
-        if kind in ("medusa", "medusa2"):  # Medusa-2 also changes the target: merge its LoRA adapter
-            from .artifacts import load_medusa
-
-            model, drafter, extra = load_medusa(job.drafter, model, next(model.parameters()).device)
-            dvocab = drafter.vocab_size
-        else:
-            drafter = load_drafter(job.drafter, next(model.parameters()).device, target_model=model)
-            dvocab = drafter.config.vocab_size
-        if dvocab != model.get_output_embeddings().weight.shape[0]:
-            raise DraftTrainError(
-                f"drafter vocabulary ({dvocab}) differs from the target's "
-                f"({model.get_output_embeddings().weight.shape[0]})"
-            )
+        model, drafter, extra = _load_job_drafter(job, model, tname, recorded)
     convs = eval_conversations(job.data, tname)
     if drafter is None and job.decode.method in ("eagle3", "medusa"):
         raise DraftTrainError(f"decode.method={job.decode.method} needs drafter=<saved drafter directory>")
@@ -596,12 +689,8 @@ def run_eval(cfg) -> dict:
                                 drafter_name=job.drafter, extra=extra)
     prompts = eval_prompt_ids(tokenizer, convs, job.decode.num_prompts)
     announce_prompts(prompts, convs, job.decode.num_prompts)
-    from .decoding.build import decode_cache_length, make_proposer
-
     proposer = make_proposer(job.decode.method, decode=job.decode, max_len=decode_cache_length(prompts, job.decode),
                              device=next(model.parameters()).device)
-    from .structured import grammar_plan
-
     return evaluate(model, tokenizer, prompts, proposer, job.decode, run_dir, method=job.decode.method,
                     target_name=tname, drafter_name=None,
                     grammars=grammar_plan(job.decode.grammar, convs, len(prompts)))

@@ -157,8 +157,7 @@ def test_eval_command_reads_the_exported_directory(env, tmp_path):
         export_drafter(env["final"], "vllm", out, dtype="float32")
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf
 
     from drafttrain.cli import CONF_DIR
     from drafttrain.eval import run_eval
@@ -167,13 +166,8 @@ def test_eval_command_reads_the_exported_directory(env, tmp_path):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("eval", [f"drafter={out}", "data.num_eval=3", "decode.num_prompts=3", "decode.max_new_tokens=24",
                                "decode.num_draft_tokens=3", "decode.warmup=0", "decode.sweep_prompts=0",
-                               "decode.plot=false", f"hydra.run.dir={tmp_path}"], return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = str(tmp_path)  # what @hydra.main sets when it runs the job
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    rep = run_eval(cfg)
+                               "decode.plot=false"])
+    rep = run_eval(OmegaConf.to_object(cfg), tmp_path)  # what `drafttrain eval` passes: the typed job, the run dir
     base = json.loads((env["run"] / "report.json").read_text())
     assert rep["target"] == env["path"] and rep["outputs_match_baseline"] is True
     assert rep["tau"] == base["tau"] and rep["alpha"] == base["alpha"]

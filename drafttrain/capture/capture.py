@@ -134,23 +134,8 @@ def _check_same_plan(found: dict, plan: dict, directory: Path) -> None:
         )
 
 
-def run_capture(model, examples: list[dict], out_dir: str | Path, *, method: str, taps=None, dtype: str = "bfloat16",
-                batch_size: int = 8, shard_mb: float = 1024.0, target_name: str = "", pad_id: int = 0,
-                rank: int = 0, world: int = 1, barrier: Callable[[], None] | None = None,
-                progress: bool = True, say: Callable[[str], None] | None = None) -> dict:
-    """Capture ``examples`` into ``out_dir`` (resumable, multi-process). Returns stats of this rank."""
-    from tqdm.auto import tqdm
-
-    from ..data.chat import collate
-
-    out = Path(out_dir)
-    barrier = barrier or (lambda: None)
-    say = say or (lambda msg: print(f"[drafttrain] {msg}", flush=True))
-    if batch_size <= 0:
-        raise DraftTrainError(f"capture.batch_size={batch_size}: must be > 0")
-    device = next(model.parameters()).device
-    plan = make_plan(examples, method, taps, _hidden_size(model), dtype, shard_mb, target_name)
-    sdtype = S.store_dtype(dtype)
+def _open_store(out: Path, plan: dict, rank: int, barrier: Callable[[], None]) -> None:
+    """Rank 0 writes the plan into a new (empty) directory; every rank then checks the plan found there."""
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         if not (out / S.PLAN).exists():
@@ -160,21 +145,91 @@ def run_capture(model, examples: list[dict], out_dir: str | Path, *, method: str
     barrier()
     _check_same_plan(read_json(out / S.PLAN), plan, out)
 
+
+def _announce(out: Path, plan: dict, dtype: str, todo_tokens: int, say: Callable[[str], None]) -> None:
+    """The storage estimate (total, still to write, free); an error when the rest does not fit."""
+    total = plan["tokens"] * plan["bytes_per_token"]
+    free = shutil.disk_usage(out).free
+    say(f"capture: {plan['num_examples']} examples, {plan['tokens']} tokens, {plan['bytes_per_token']} bytes/token "
+        f"({' + '.join(f'{n} {w}' for n, w in plan['features'].items())} x {dtype}, ids, mask) -> "
+        f"{total / 2**30:.3f} GiB in {len(plan['shards'])} shards; still to write "
+        f"{todo_tokens * plan['bytes_per_token'] / 2**30:.3f} GiB, {free / 2**30:.1f} GiB free on {out}")
+    if todo_tokens * plan["bytes_per_token"] > free:
+        raise DraftTrainError(f"capture.path={out}: needs {todo_tokens * plan['bytes_per_token'] / 2**30:.2f} GiB "
+                              f"more, only {free / 2**30:.2f} GiB free")
+
+
+def _capture_shard(model, examples: list[dict], lengths: list[int], plan: dict, rows: range, *, batch_size: int,
+                   pad_id: int, sdtype, stats: dict, bar, check_head: bool) -> dict[int, dict[str, torch.Tensor]]:
+    """The features of the examples ``rows`` (length-sorted batches), on the host in the store's dtype;
+    ``check_head``: first check that the lm_head applied to the captured last hidden state gives the logits."""
+    from ..data.chat import collate
+
+    device = next(model.parameters()).device
+    per_example: dict[int, dict[str, torch.Tensor]] = {}
+    for idx in _length_batches(rows, lengths, batch_size):
+        mb = collate([examples[i] for i in idx], pad_id)
+        mb = {key: v.to(device) for key, v in mb.items()}
+        _sync(device)
+        tf = time.time()
+        feats = target_features(model, mb["input_ids"], mb["attention_mask"],
+                                plan["taps"] if "taps" in plan["features"] else None)
+        _sync(device)
+        stats["forward_seconds"] += time.time() - tf
+        if check_head:
+            check_head_reproduces_logits(model, mb, feats["last_hidden"])
+            check_head = False
+        for b, i in enumerate(idx):
+            n = lengths[i]
+            per_example[i] = {name: feats[name][b, :n].to("cpu", sdtype) for name in plan["features"]}
+            if not all(torch.isfinite(t).all() for t in per_example[i].values()):
+                raise DraftTrainError(f"capture: non-finite hidden states for example {i} (target dtype overflow?)")
+        bar.update(sum(lengths[i] for i in idx))
+    return per_example
+
+
+def _write_index(out: Path, plan: dict, stats: dict, say: Callable[[str], None]) -> None:
+    """After every rank finished: the index of all shards (an error when one is missing)."""
+    n_shards = len(plan["shards"])
+    records = [S.read_record(out, k) for k in range(n_shards)]
+    missing = [S.shard_name(k) for k, r in enumerate(records) if r is None]
+    if missing:
+        raise DraftTrainError(f"capture.path={out}: shards {missing[:3]} are still missing after every rank finished")
+    total_bytes = sum(r["bytes"] for r in records)
+    write_json(out / S.INDEX, {
+        "format_version": S.FORMAT_VERSION,
+        "plan": plan,
+        "shards": records,
+        "tokens": plan["tokens"],
+        "bytes": total_bytes,
+        "bytes_per_token_on_disk": total_bytes / max(1, plan["tokens"]),
+    })
+    say(f"capture: done -> {out} ({total_bytes / 2**20:.1f} MiB, {total_bytes / max(1, plan['tokens']):.1f} bytes/token "
+        f"on disk; this rank wrote {stats['shards_written']} shards, reused {stats['shards_skipped']})")
+
+
+def run_capture(model, examples: list[dict], out_dir: str | Path, *, method: str, taps=None, dtype: str = "bfloat16",
+                batch_size: int = 8, shard_mb: float = 1024.0, target_name: str = "", pad_id: int = 0,
+                rank: int = 0, world: int = 1, barrier: Callable[[], None] | None = None,
+                progress: bool = True, say: Callable[[str], None] | None = None) -> dict:
+    """Capture ``examples`` into ``out_dir`` (resumable, multi-process). Returns stats of this rank."""
+    from tqdm.auto import tqdm
+
+    out = Path(out_dir)
+    barrier = barrier or (lambda: None)
+    say = say or (lambda msg: print(f"[drafttrain] {msg}", flush=True))
+    if batch_size <= 0:
+        raise DraftTrainError(f"capture.batch_size={batch_size}: must be > 0")
+    plan = make_plan(examples, method, taps, _hidden_size(model), dtype, shard_mb, target_name)
+    sdtype = S.store_dtype(dtype)
+    _open_store(out, plan, rank, barrier)
+
     n_shards = len(plan["shards"])
     mine = [k for k in range(n_shards) if k % world == rank]
     done = {k: S.read_record(out, k) for k in range(n_shards)}
-    todo_tokens = sum(sum(len(examples[i]["input_ids"]) for i in range(*plan["shards"][k]))
-                      for k in range(n_shards) if done[k] is None)
     if rank == 0:
-        total = plan["tokens"] * plan["bytes_per_token"]
-        free = shutil.disk_usage(out).free
-        say(f"capture: {plan['num_examples']} examples, {plan['tokens']} tokens, {plan['bytes_per_token']} bytes/token "
-            f"({' + '.join(f'{n} {w}' for n, w in plan['features'].items())} x {dtype}, ids, mask) -> "
-            f"{total / 2**30:.3f} GiB in {n_shards} shards; still to write {todo_tokens * plan['bytes_per_token'] / 2**30:.3f} "
-            f"GiB, {free / 2**30:.1f} GiB free on {out}")
-        if todo_tokens * plan["bytes_per_token"] > free:
-            raise DraftTrainError(f"capture.path={out}: needs {todo_tokens * plan['bytes_per_token'] / 2**30:.2f} GiB "
-                                  f"more, only {free / 2**30:.2f} GiB free")
+        _announce(out, plan, dtype, sum(sum(len(examples[i]["input_ids"]) for i in range(*plan["shards"][k]))
+                                        for k in range(n_shards) if done[k] is None), say)
     lengths = [len(ex["input_ids"]) for ex in examples]
     stats = {"rank": rank, "shards_written": 0, "shards_skipped": 0, "tokens": 0, "bytes_written": 0,
              "forward_seconds": 0.0, "seconds": 0.0}
@@ -182,7 +237,7 @@ def run_capture(model, examples: list[dict], out_dir: str | Path, *, method: str
     bar = tqdm(total=my_tokens, desc=f"capture rank {rank}/{world}", unit="tok", disable=not (progress and rank == 0),
                mininterval=2.0)
     t0 = time.time()
-    checked_head = False
+    check_head = True
     meta = {"format_version": S.FORMAT_VERSION, "dtype": dtype}
     for k in mine:
         start, end = plan["shards"][k]
@@ -191,25 +246,9 @@ def run_capture(model, examples: list[dict], out_dir: str | Path, *, method: str
             stats["shards_skipped"] += 1
             bar.update(sum(lengths[start:end]))
             continue
-        per_example: dict[int, dict[str, torch.Tensor]] = {}
-        for idx in _length_batches(range(start, end), lengths, batch_size):
-            mb = collate([examples[i] for i in idx], pad_id)
-            mb = {key: v.to(device) for key, v in mb.items()}
-            _sync(device)
-            tf = time.time()
-            feats = target_features(model, mb["input_ids"], mb["attention_mask"],
-                                    plan["taps"] if "taps" in plan["features"] else None)
-            _sync(device)
-            stats["forward_seconds"] += time.time() - tf
-            if not checked_head:
-                check_head_reproduces_logits(model, mb, feats["last_hidden"])
-                checked_head = True
-            for b, i in enumerate(idx):
-                n = lengths[i]
-                per_example[i] = {name: feats[name][b, :n].to("cpu", sdtype) for name in plan["features"]}
-                if not all(torch.isfinite(t).all() for t in per_example[i].values()):
-                    raise DraftTrainError(f"capture: non-finite hidden states for example {i} (target dtype overflow?)")
-            bar.update(sum(lengths[i] for i in idx))
+        per_example = _capture_shard(model, examples, lengths, plan, range(start, end), batch_size=batch_size,
+                                     pad_id=pad_id, sdtype=sdtype, stats=stats, bar=bar, check_head=check_head)
+        check_head = False
         ids = list(range(start, end))
         tensors = S.pack_shard(ids, [examples[i] for i in ids],
                                {name: [per_example[i][name] for i in ids] for name in plan["features"]}, sdtype)
@@ -222,34 +261,19 @@ def run_capture(model, examples: list[dict], out_dir: str | Path, *, method: str
     stats["tokens_per_s"] = stats["tokens"] / stats["seconds"] if stats["tokens"] and stats["seconds"] else None
     barrier()
     if rank == 0:
-        records = [S.read_record(out, k) for k in range(n_shards)]
-        missing = [S.shard_name(k) for k, r in enumerate(records) if r is None]
-        if missing:
-            raise DraftTrainError(f"capture.path={out}: shards {missing[:3]} are still missing after every rank finished")
-        total_bytes = sum(r["bytes"] for r in records)
-        write_json(out / S.INDEX, {
-            "format_version": S.FORMAT_VERSION,
-            "plan": plan,
-            "shards": records,
-            "tokens": plan["tokens"],
-            "bytes": total_bytes,
-            "bytes_per_token_on_disk": total_bytes / max(1, plan["tokens"]),
-        })
-        say(f"capture: done -> {out} ({total_bytes / 2**20:.1f} MiB, {total_bytes / max(1, plan['tokens']):.1f} bytes/token "
-            f"on disk; this rank wrote {stats['shards_written']} shards, reused {stats['shards_skipped']})")
+        _write_index(out, plan, stats, say)
     barrier()
     return stats
 
 
-def run_capture_job(cfg) -> dict:
-    """``drafttrain capture``: the target and data of a training job, written to ``capture.path``."""
+def run_capture_job(job) -> dict:
+    """``drafttrain capture``: the target and data of a training job (``job``: a ``CaptureJob``,
+    drafttrain/config.py), written to ``capture.path``."""
     from accelerate import PartialState
-    from omegaconf import OmegaConf
 
     from ..targets.load import load_target, resolve_device, resolve_taps, num_layers, target_id
     from ..data.select import load_training_data
 
-    job = OmegaConf.to_object(cfg)
     c = job.capture
     if not c.path:
         raise DraftTrainError("capture.path is required (the directory to write the features to)")
