@@ -4,7 +4,7 @@ Layout facts (file names, config keys, ``drafter_type`` values) are written here
 ``save_pretrained`` methods take them from here. Loaders:
 
 - :func:`load_drafter` -- any saved drafter that decodes on its own: ``eagle3`` (``Eagle3Drafter``),
-  ``draft_lm`` (a plain HF causal LM, recipe=distill) and the vLLM / SGLang EAGLE-3 exports
+  ``draft_model`` (a plain HF causal LM, recipe=draft_model) and the vLLM / SGLang EAGLE-3 exports
   (:func:`load_exported_eagle3`); Medusa drafters are refused there (they come with their target);
 - :func:`load_medusa` -- a Medusa-1 / Medusa-2 drafter with the target it verifies with (Medusa-2: adapter
   merged into the target); :func:`load_medusa_heads` -- only the heads (``medusa.init_heads``);
@@ -41,7 +41,8 @@ from .io import DraftTrainError, check_state_dict, load_tensors, read_json
 
 __all__ = [
     "CONFIG_NAME", "WEIGHTS_NAME", "TYPE_KEY", "TARGET_KEY", "EAGLE3_TYPE", "MEDUSA_TYPE", "MEDUSA2_TYPE",
-    "DRAFT_LM_TYPE", "DRAFTER_TYPES", "HEADS_KEY", "ADAPTER_KEY", "HEADS_DIR", "ADAPTER_DIR", "DRAFTER_SUBDIR",
+    "DRAFT_MODEL_TYPE", "DRAFTER_TYPES", "RENAMED_TYPES", "HEADS_KEY", "ADAPTER_KEY", "HEADS_DIR", "ADAPTER_DIR",
+    "DRAFTER_SUBDIR", "saved_type",
     "drafter_type", "is_checkpoint", "drafter_dir", "load_drafter", "load_medusa", "load_medusa_heads",
     "load_eagle3", "load_draft_lm", "load_draft_model", "exported_layout", "exported_target",
     "load_exported_eagle3", "NORM_FLAGS",
@@ -55,16 +56,24 @@ TARGET_KEY = "target_name_or_path"  # config.json key: the target the drafter wa
 EAGLE3_TYPE = "eagle3"  # Eagle3Drafter: config.json (+ Eagle3DrafterConfig fields) + model.safetensors
 MEDUSA_TYPE = "medusa"  # MedusaHeads: vLLM's Medusa layout (config.json + model.safetensors)
 MEDUSA2_TYPE = "medusa2"  # config.json pointing at HEADS_DIR (a medusa directory) and ADAPTER_DIR (peft LoRA)
-DRAFT_LM_TYPE = "draft_lm"  # a plain HF causal LM directory (save_pretrained) + the target's tokenizer
-DRAFTER_TYPES = (EAGLE3_TYPE, MEDUSA_TYPE, MEDUSA2_TYPE, DRAFT_LM_TYPE)
+DRAFT_MODEL_TYPE = "draft_model"  # a plain HF causal LM directory (save_pretrained) + the target's tokenizer
+DRAFTER_TYPES = (EAGLE3_TYPE, MEDUSA_TYPE, MEDUSA2_TYPE, DRAFT_MODEL_TYPE)
+RENAMED_TYPES = {"draft_lm": DRAFT_MODEL_TYPE}  # drafter_type values older saves carry, read as today's
 HEADS_KEY, ADAPTER_KEY = "heads", "adapter"  # medusa2 config.json keys naming its two subdirectories
-HEADS_DIR, ADAPTER_DIR = "heads", "adapter"  # their names (also draft_lm's adapter/ with distill.use_lora)
+HEADS_DIR, ADAPTER_DIR = "heads", "adapter"  # their names (also draft_model's adapter/ with distill.use_lora)
 DRAFTER_SUBDIR = "drafter"  # <checkpoint>/drafter: a training checkpoint's drafter, built on first use
+
+
+def saved_type(cfg: dict) -> str | None:
+    """The drafter family a saved ``config.json`` names (None for an exported EAGLE-3 layout); an older
+    name (``RENAMED_TYPES``) is read as today's."""
+    kind = cfg.get(TYPE_KEY)
+    return RENAMED_TYPES.get(kind, kind)
 
 
 def drafter_type(path) -> str | None:
     """The ``drafter_type`` of the saved drafter at ``path`` (None for an exported EAGLE-3 layout)."""
-    return read_json(Path(path) / CONFIG_NAME).get(TYPE_KEY)
+    return saved_type(read_json(Path(path) / CONFIG_NAME))
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -98,7 +107,11 @@ def _materialize(ckpt: Path, out: Path) -> None:
     meta = read_checkpoint_meta(ckpt)
     if not isinstance(meta.get("config"), dict):
         raise DraftTrainError(f"{ckpt / STATE}: no recorded job config (a checkpoint from an older drafttrain?)")
-    job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainJob), meta["config"]))
+    from .config import RENAMED_METHODS
+
+    config = dict(meta["config"])
+    config["method"] = RENAMED_METHODS.get(config.get("method"), config.get("method"))  # an older release's name
+    job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainJob), config))
     print(f"[drafttrain] {ckpt} is a training checkpoint (step {meta.get('step')}): rebuilding its "
           f"{job.method} drafter into {out}", flush=True)
     model, tokenizer, path = load_target(job.target, device="cpu")
@@ -114,16 +127,16 @@ def _materialize(ckpt: Path, out: Path) -> None:
 def load_drafter(path: str, device, target_model=None):
     """The saved drafter at ``path`` on ``device``: an ``Eagle3Drafter`` (``eagle3``, or a vLLM / SGLang
     export, whose embedding comes from ``target_model`` when the export has none) or an HF causal LM
-    (``draft_lm``). Medusa drafters are loaded with their target (:func:`load_medusa`)."""
+    (``draft_model``). Medusa drafters are loaded with their target (:func:`load_medusa`)."""
     cfg = read_json(Path(path) / CONFIG_NAME)
-    kind = cfg.get(TYPE_KEY)
+    kind = saved_type(cfg)
     if kind is None and exported_layout(cfg):  # `drafttrain export` output (vLLM / SGLang EAGLE-3 layouts)
         return load_exported_eagle3(path, target_model=target_model, device=device)
     if kind == EAGLE3_TYPE:
         from .drafters.eagle3 import Eagle3Drafter
 
         return Eagle3Drafter.from_pretrained(path, device=device)
-    if kind == DRAFT_LM_TYPE:  # recipe=distill: a plain HF causal LM directory
+    if kind == DRAFT_MODEL_TYPE:  # recipe=draft_model: a plain HF causal LM directory
         return load_draft_lm(path, device)
     if kind in (MEDUSA_TYPE, MEDUSA2_TYPE):
         raise DraftTrainError(f"{path}: a {kind} drafter is loaded with its target (drafttrain.artifacts."
@@ -132,7 +145,7 @@ def load_drafter(path: str, device, target_model=None):
 
 
 def load_draft_lm(path, device):
-    """A saved ``draft_lm`` drafter (a plain HF causal LM directory) in eval mode on ``device``."""
+    """A saved ``draft_model`` drafter (a plain HF causal LM directory) in eval mode on ``device``."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -175,7 +188,7 @@ def load_draft_model(name: str, target_cfg, device):
 # ------------------------------------------------------------------------------------------ Medusa
 def _medusa_heads_dir(path: Path, cfg: dict) -> Path:
     """The heads directory of a saved Medusa drafter: itself (medusa) or its ``heads`` subdirectory (medusa2)."""
-    return path / cfg.get(HEADS_KEY, HEADS_DIR) if cfg.get(TYPE_KEY) == MEDUSA2_TYPE else path
+    return path / cfg.get(HEADS_KEY, HEADS_DIR) if saved_type(cfg) == MEDUSA2_TYPE else path
 
 
 def load_medusa_heads(path: str | os.PathLike, device=None):
@@ -197,7 +210,7 @@ def load_medusa(path: str | os.PathLike, target_model, device=None):
 
     path = Path(path)
     cfg = read_json(path / CONFIG_NAME)
-    kind = cfg.get(TYPE_KEY)
+    kind = saved_type(cfg)
     heads_dir = _medusa_heads_dir(path, cfg)
     heads = MedusaHeads.from_pretrained(heads_dir, device=device)
     hcfg = read_json(heads_dir / CONFIG_NAME)

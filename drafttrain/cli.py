@@ -122,6 +122,7 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
     from .io import DraftTrainError
     from .validate import check_job
 
+    _refuse_renamed(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -134,6 +135,17 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
         check_job(config_name, cfg)
     except DraftTrainError as e:
         _fail(str(e))
+
+
+def _refuse_renamed(overrides: list[str]) -> None:
+    """A recipe or method under the name an older release gave it: say the new name (config.RENAMED_METHODS)."""
+    from .config import RENAMED_METHODS
+
+    for o in overrides:
+        key, _, value = o.lstrip("+~").partition("=")
+        if key in ("recipe", "method") and value in RENAMED_METHODS:
+            _fail(f"{key}={value}: renamed {key}={RENAMED_METHODS[value]} (one name per drafter family: recipe, "
+                  "method, drafter_type and decode.method)")
 
 
 def _fail(message: str) -> None:

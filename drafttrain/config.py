@@ -73,7 +73,9 @@ TARGET_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 STORAGE_DTYPES = ("bfloat16", "float16", "float32")
 EAGLE3_LOSSES = ("ce", "tv", "lk_hybrid")  # drafttrain.losses.EAGLE3_LOSSES (a test keeps them equal)
 BUILTIN_KINDS = ("code", "docs")  # drafttrain.targets.builtin: the built-in targets
-TRAIN_METHODS = ("eagle3", "medusa", "medusa2", "distill")
+TRAIN_METHODS = ("eagle3", "medusa", "medusa2", "draft_model")
+# names older releases used (saved checkpoints carry them; loading maps them, the command line refuses them)
+RENAMED_METHODS = {"distill": "draft_model"}
 DECODE_METHODS = ("ar", "eagle3", "medusa", "draft_model", "pld", "oracle")
 CACHE_KINDS = ("auto", "static", "dynamic")
 BENCH_METHODS = ("ar", "draft_model", "pld", "pld_tree", "eagle3", "eagle3_tree")
@@ -220,7 +222,7 @@ class MedusaConfig:
 
 @dataclass
 class DistillConfig:
-    """recipe=distill: a small causal LM sharing the target's tokenizer, distilled toward the target."""
+    """recipe=draft_model: a small causal LM sharing the target's tokenizer, distilled toward the target."""
 
     init: str = one_of("from_target_layers", "from_config", "from_target_layers", "from_pretrained")
     num_layers: int = num(2, ge=1)  # draft decoder layers (from_config, from_target_layers)
@@ -369,8 +371,8 @@ class TrainJob:
 class CaptureJob:
     """`drafttrain capture`: the target's features over the training data of `data`, written to capture.path."""
 
-    # which features: eagle3 (3 taps + last hidden) | medusa | distill (last hidden)
-    method: str = one_of("eagle3", "eagle3", "medusa", "distill")
+    # which features: eagle3 (3 taps + last hidden) | medusa | draft_model (last hidden)
+    method: str = one_of("eagle3", "eagle3", "medusa", "draft_model")
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eagle3: Eagle3Config = field(default_factory=Eagle3Config)  # only eagle3.tap_layers is used here

@@ -2,7 +2,7 @@
 
 Used by Medusa-2 (adapters on the target, trained jointly with the heads: training/medusa.py; loading a saved
 Medusa-2 drafter merges its adapter into the target: artifacts.load_medusa) and by distillation with
-``distill.use_lora`` (adapters on the draft: training/distill.py). peft is imported only when called.
+``distill.use_lora`` (adapters on the draft: training/draft_model.py). peft is imported only when called.
 """
 from __future__ import annotations
 

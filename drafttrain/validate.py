@@ -99,7 +99,7 @@ def _check_rules(job: str, cfg: DictConfig) -> None:
         _check_train(cfg.train)
     if job in ("train", "capture") and cfg.eagle3.tap_layers is not None and len(cfg.eagle3.tap_layers) != 3:
         raise DraftTrainError(f"eagle3.tap_layers={_fmt(cfg.eagle3.tap_layers)}: expected exactly 3 layer indices")
-    if job == "train" and cfg.method == "distill":
+    if job == "train" and cfg.method == "draft_model":
         _check_distill(cfg.distill)
     if job == "train" and cfg.capture.mode == "offline":
         from .training.method import refuse_offline
@@ -142,7 +142,7 @@ def _check_train(t: DictConfig) -> None:
 
 
 def _check_distill(d: DictConfig) -> None:
-    from .training.distill import parse_loss
+    from .training.draft_model import parse_loss
 
     parse_loss(d.loss)
     if d.init == "from_pretrained" and not d.pretrained:
@@ -223,7 +223,7 @@ def _path_settings(job: str, cfg: DictConfig) -> list[tuple[str, str]]:
     if job == "bench" and cfg.draft_model != "builtin-small" and "draft_model" in cfg.methods:
         out.append(("draft_model", "model"))
     if job == "train":
-        if cfg.method == "distill" and cfg.distill.init == "from_pretrained":
+        if cfg.method == "draft_model" and cfg.distill.init == "from_pretrained":
             out.append(("distill.pretrained", "model"))
         if cfg.method in ("medusa", "medusa2"):
             out.append(("medusa.init_heads", "dir"))

@@ -33,10 +33,10 @@ METHODS = {
     "eagle3": ("eagle3", [], "EAGLE-3 recipe (EAGLE-3.1 norms, 1 layer, 3 taps, TTT 7, lr 3e-3)"),
     "medusa1": ("medusa", [], "Medusa-1 (4 heads, frozen target)"),
     "medusa2": ("medusa2", [], "Medusa-2 (4 heads + LoRA r32, self-distillation; target modified)"),
-    "kd": ("distill", ["distill.loss=fkl"], "distilled draft, KD (forward KL), 2 target layers"),
-    "kd_onpolicy": ("distill", ["distill.loss=fkl", "distill.on_policy_ratio=0.5"],
+    "kd": ("draft_model", ["distill.loss=fkl"], "distilled draft, KD (forward KL), 2 target layers"),
+    "kd_onpolicy": ("draft_model", ["distill.loss=fkl", "distill.on_policy_ratio=0.5"],
                     "distilled draft, KD (forward KL), 50% on-policy rows"),
-    "ce": ("distill", ["distill.loss=ce"], "same draft, plain CE on the same data"),
+    "ce": ("draft_model", ["distill.loss=ce"], "same draft, plain CE on the same data"),
     "pld": (None, ["decode.method=pld"], "prompt lookup (no training)"),
     # EAGLE-3 levers (ablation rows: one change each against "eagle3")
     "eagle3_v30": ("eagle3", ["eagle3.fc_norm=false", "eagle3.norm_output=false", "train.lr=1e-3"],

@@ -47,7 +47,7 @@ def parse_args(argv=None):
                     help="another EAGLE-3 drafter, shown as 'eagle3 (LABEL)' (repeatable)")
     ap.add_argument("--medusa", help="a saved Medusa drafter directory")
     ap.add_argument("--draft-model", help="a causal-LM directory sharing the target's tokenizer "
-                                          "(e.g. a distilled draft, recipe=distill)")
+                                          "(e.g. a distilled draft, recipe=draft_model)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256, help="enough for every constrained output to end")
     ap.add_argument("--max-string-length", type=int, default=16, help="maxLength of string arguments")

@@ -111,7 +111,7 @@ def test_code_target_cache_key_is_unchanged_by_the_kind_field():
     assert BuiltinTargetConfig(kind="docs").key() != old
 
 
-@pytest.mark.parametrize("recipe", ["eagle3", "medusa", "distill"])
+@pytest.mark.parametrize("recipe", ["eagle3", "medusa", "draft_model"])
 def test_every_family_trains_on_the_docs_target_and_decodes_exactly(recipe, docs_target, tmp_path):
     run = tmp_path / recipe  # data.regenerate=false: the docs answers themselves (a 10-step target writes blanks)
     cmd = [sys.executable, str(REPO / "train.py"), f"recipe={recipe}", *TINY_DOCS_OVERRIDES, "logger=none",

@@ -220,7 +220,7 @@ def test_medusa_and_distill_train_from_stored_features(setup, tmp_path):
     """Medusa-1 and distillation read the stored last hidden state (heads' input; teacher logits through the
     target's lm_head): same capture and same loss as online."""
     from drafttrain.config import DistillConfig, MedusaConfig
-    from drafttrain.training.distill import DistillMethod
+    from drafttrain.training.draft_model import DraftModelMethod as DistillMethod
     from drafttrain.training.medusa import MedusaMethod
 
     model, tok, examples, _ = setup
@@ -244,7 +244,7 @@ def test_offline_refuses_medusa2_and_on_policy_distillation(setup, tmp_path):
     from types import SimpleNamespace
 
     from drafttrain.config import DistillConfig, MedusaConfig
-    from drafttrain.training.distill import DistillMethod
+    from drafttrain.training.draft_model import DraftModelMethod as DistillMethod
     from drafttrain.training.offline import check_store as _check_offline
     from drafttrain.training.medusa import MedusaMethod
 
@@ -258,7 +258,7 @@ def test_offline_refuses_medusa2_and_on_policy_distillation(setup, tmp_path):
                        SimpleNamespace(**job.__dict__, method="medusa2"))
     with pytest.raises(DraftTrainError, match="on_policy_ratio=0.5.*capture.mode=online"):
         _check_offline(fs, DistillMethod(DistillConfig(on_policy_ratio=0.5), tok, model),
-                       SimpleNamespace(**job.__dict__, method="distill"))
+                       SimpleNamespace(**job.__dict__, method="draft_model"))
     eagle = setup[3]
     with pytest.raises(DraftTrainError, match="lacks taps"):
         _check_offline(fs, eagle, SimpleNamespace(**job.__dict__, method="eagle3", eagle3=None))
@@ -284,7 +284,7 @@ def test_offline_training_loads_only_the_target_parts_it_needs(setup, tiny_built
     from drafttrain.training import loop
 
     feats = tmp_path / "f"
-    _capture(setup, feats, method="distill", taps=None, target_name=L.target_id(str(tiny_builtin_target)))
+    _capture(setup, feats, method="draft_model", taps=None, target_name=L.target_id(str(tiny_builtin_target)))
     parts, wholes = [], []
     real_parts, real_whole = L.load_target_parts, L.load_target
     monkeypatch.setattr(L, "load_target_parts", lambda *a, **k: parts.append(real_parts(*a, **k)) or parts[-1])
@@ -294,7 +294,7 @@ def test_offline_training_loads_only_the_target_parts_it_needs(setup, tiny_built
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name="train", overrides=[
-                "recipe=distill", f"target.name_or_path={tiny_builtin_target}", "logger=none", "capture.mode=offline",
+                "recipe=draft_model", f"target.name_or_path={tiny_builtin_target}", "logger=none", "capture.mode=offline",
                 f"capture.path={feats}", "train.max_steps=2", "train.batch_size=4", "train.micro_batch_size=2",
                 "train.warmup_steps=1", "train.save_every=1", "data.num_eval=2", "decode.num_prompts=2",
                 "decode.max_new_tokens=8", "decode.warmup=0", "decode.sweep=[]", "decode.plot=false", *extra])

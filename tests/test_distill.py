@@ -301,3 +301,24 @@ def test_mix_batches():
         mix_batches(fixed, onp[:2], 0.5)
     with pytest.raises(ValueError):
         mix_batches(fixed, onp, 1.5)
+
+
+def test_a_draft_model_saved_under_the_old_drafter_type_still_loads(tmp_path):
+    """Older releases saved draft models as ``drafter_type: draft_lm``; today's name is draft_model (one name per
+    family). Such a directory is read as today's family and decodes with the same weights."""
+    from drafttrain.artifacts import DRAFT_MODEL_TYPE, drafter_type, load_drafter
+    from drafttrain.drafters.draft_lm import DraftLM
+    from drafttrain.io import read_json, write_json
+
+    t = make_target()
+    DraftLM(build_draft_lm(t, "from_config", num_layers=1, hidden_size=32, seed=0), target_name="tiny") \
+        .save_pretrained(tmp_path / "new")
+    assert read_json(tmp_path / "new" / "config.json")["drafter_type"] == DRAFT_MODEL_TYPE == "draft_model"
+    cfg = read_json(tmp_path / "new" / "config.json")
+    write_json(tmp_path / "new" / "config.json", {**cfg, "drafter_type": "draft_lm"})
+    assert drafter_type(tmp_path / "new") == "draft_model"
+    old = load_drafter(str(tmp_path / "new"), "cpu")
+    ids = torch.randint(3, V, (1, 6))
+    with torch.no_grad():
+        ref = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "new")(input_ids=ids).logits
+        torch.testing.assert_close(old(input_ids=ids).logits, ref, rtol=0, atol=0)

@@ -59,7 +59,7 @@ def test_wheel_holds_every_config(wheel):
     shipped = {n for n in names if n.endswith(".yaml")}
     expected = {f"drafttrain/conf/{p.relative_to(CONF).as_posix()}" for p in CONF.rglob("*.yaml")}
     assert expected and shipped == expected
-    assert {f"drafttrain/conf/recipe/{m}.yaml" for m in ("eagle3", "medusa", "medusa2", "distill")} <= shipped
+    assert {f"drafttrain/conf/recipe/{m}.yaml" for m in ("eagle3", "medusa", "medusa2", "draft_model")} <= shipped
     assert "drafttrain/conf/accelerate/ddp.yaml" in shipped
 
 

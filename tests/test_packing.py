@@ -134,7 +134,7 @@ def _method(kind, t, **over):
         cfg.lora.dropout = 0.0
         m = MedusaMethod(cfg, _Tok(), t, joint=joint)
     else:
-        from drafttrain.training.distill import DistillMethod
+        from drafttrain.training.draft_model import DraftModelMethod as DistillMethod
 
         m = DistillMethod(_cfg("DistillConfig", num_layers=2, init="from_config", **over), _Tok(), t)
     return m

@@ -130,7 +130,7 @@ def test_a_checkpoint_evaluates_and_exports_as_the_drafter_it_holds(trained_run,
     assert json.loads((tmp_path / "vllm" / "config.json").read_text())["speculators_model_type"] == "eagle3"
 
 
-@pytest.mark.parametrize("recipe,weights", [("medusa", "model.safetensors"), ("distill", "model.safetensors")])
+@pytest.mark.parametrize("recipe,weights", [("medusa", "model.safetensors"), ("draft_model", "model.safetensors")])
 def test_medusa_and_distill_checkpoints_are_their_final_drafters(recipe, weights, tmp_path, tiny_builtin_target):
     run = tmp_path / recipe
     r = _run([str(REPO / "train.py"), f"recipe={recipe}", *SMALL, "train.max_steps=2", "train.save_every=2",

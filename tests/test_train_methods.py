@@ -79,7 +79,7 @@ def medusa2_run(tmp_path_factory, chats):
 
 @pytest.fixture(scope="module")
 def distill_run(tmp_path_factory, chats):
-    return _train(tmp_path_factory, chats, "distill", "distill.loss=jsd", "distill.on_policy_ratio=0.5",
+    return _train(tmp_path_factory, chats, "draft_model", "distill.loss=jsd", "distill.on_policy_ratio=0.5",
                   "distill.on_policy_max_new_tokens=8", "train.save_every=2", "train.eval_checkpoints=true")
 
 
@@ -179,7 +179,7 @@ def test_distill_recipe_end_to_end(distill_run):
     assert all("jsd" in h and "accept" in h for h in hist)
     final = distill_run / "final"
     cfg = json.loads((final / "config.json").read_text())
-    assert cfg["drafter_type"] == "draft_lm" and cfg["num_hidden_layers"] == 2
+    assert cfg["drafter_type"] == "draft_model" and cfg["num_hidden_layers"] == 2
     m = tf.AutoModelForCausalLM.from_pretrained(final)
     assert m.config.vocab_size == 2048
     assert (final / "tokenizer.json").exists()
@@ -313,7 +313,7 @@ def test_rank_accuracy_counts_match_top1():
 def test_distill_loss_switch_and_mixes():
     from drafttrain.io import DraftTrainError
     from drafttrain.losses import ce_loss, kd_loss, next_token_mask
-    from drafttrain.training.distill import DistillMethod, parse_loss
+    from drafttrain.training.draft_model import DraftModelMethod as DistillMethod, parse_loss
 
     assert parse_loss("ce") == "ce" and parse_loss("TVD") == "tvd"
     assert parse_loss("fkl:0.5, tvd:2") == {"fkl": 0.5, "tvd": 2.0}
@@ -339,7 +339,7 @@ def test_distill_loss_switch_and_mixes():
 def test_on_policy_rows_are_the_drafts_own_samples():
     """Rows picked for on-policy data keep their prompt and continue with what the draft samples: a draft
     forced to emit token 7 yields continuations of 7s (the data never has them there)."""
-    from drafttrain.training.distill import DistillMethod, prompt_len
+    from drafttrain.training.draft_model import DraftModelMethod as DistillMethod, prompt_len
 
     t = _target()
     m = DistillMethod(_cfg("DistillConfig", num_layers=1, on_policy_ratio=0.5, on_policy_max_new_tokens=5,
@@ -365,7 +365,7 @@ def test_distill_checkpoint_and_save_round_trip(tmp_path, init, hidden):
     """Checkpoints leave out the (frozen or LM-head-tied) input embedding and still restore the draft exactly;
     the saved HF directory reloads to the same logits."""
     from drafttrain.training import checkpoint
-    from drafttrain.training.distill import DistillMethod
+    from drafttrain.training.draft_model import DraftModelMethod as DistillMethod
 
     t = _target()
     cfg = _cfg("DistillConfig", init=init, num_layers=2, hidden_size=hidden, intermediate_size=32 if hidden else None)
@@ -387,7 +387,7 @@ def test_distill_checkpoint_and_save_round_trip(tmp_path, init, hidden):
         assert not emb.requires_grad and torch.equal(emb, t.get_input_embeddings().weight)
     opt = torch.optim.AdamW(a.trainable_parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    checkpoint.save_checkpoint(tmp_path / "ck", a, opt, sched, 1, {"method": "distill", "target": "tiny"})
+    checkpoint.save_checkpoint(tmp_path / "ck", a, opt, sched, 1, {"method": "draft_model", "target": "tiny"})
     opt_b = torch.optim.AdamW(b.trainable_parameters())
     checkpoint.load_checkpoint(tmp_path / "ck", b, opt_b, torch.optim.lr_scheduler.LambdaLR(opt_b, lambda s: 1.0))
     ids = torch.randint(3, V, (1, 10))
@@ -397,7 +397,7 @@ def test_distill_checkpoint_and_save_round_trip(tmp_path, init, hidden):
         torch.testing.assert_close(b(ids), ref, rtol=0, atol=0)
     a.save_pretrained(tmp_path / "final")
     re = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
-    assert re.config.drafter_type == "draft_lm"
+    assert re.config.drafter_type == "draft_model"
     with torch.no_grad():
         torch.testing.assert_close(re(input_ids=ids).logits, ref, rtol=1e-5, atol=1e-5)
 

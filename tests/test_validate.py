@@ -131,8 +131,8 @@ def _job(name, **updates):
     ("train", {"train.batch_size": 12, "train.micro_batch_size": 8}, "train.batch_size=12: must be a multiple"),
     ("train", {"train.betas": [0.9]}, "train.betas=[0.9]: expected two"),
     ("train", {"eagle3.tap_layers": [1, 2]}, "eagle3.tap_layers=[1,2]: expected exactly 3"),
-    ("train", {"method": "distill", "distill.loss": "fkl:0.5,kl2"}, "distill.loss=fkl:0.5,kl2"),
-    ("train", {"method": "distill", "distill.init": "from_pretrained"}, "distill.pretrained is required"),
+    ("train", {"method": "draft_model", "distill.loss": "fkl:0.5,kl2"}, "distill.loss=fkl:0.5,kl2"),
+    ("train", {"method": "draft_model", "distill.init": "from_pretrained"}, "distill.pretrained is required"),
     ("train", {"target.builtin.hidden_size": 190}, "target.builtin.hidden_size=190: must be a multiple"),
     ("train", {"target.builtin.num_kv_heads": 3}, "target.builtin.num_heads=4: must be a multiple"),
     ("train", {"target.builtin.seq_len": 4096}, "target.builtin.seq_len=4096: must be <="),
@@ -184,7 +184,7 @@ def test_paths_checked_by_kind(tmp_path):
         ("train", {"data.source": "jsonl", "data.path": str(tmp_path)}, "data.path=", "not a file"),
         ("train", {"train.resume": "./no-checkpoint"}, "train.resume=./no-checkpoint", "no such directory"),
         ("train", {"capture.mode": "offline", "capture.path": str(f)}, "capture.path=", "not a directory"),
-        ("train", {"method": "distill", "distill.init": "from_pretrained", "distill.pretrained": "./d"},
+        ("train", {"method": "draft_model", "distill.init": "from_pretrained", "distill.pretrained": "./d"},
          "distill.pretrained=./d", "no such directory"),
         ("eval", {"drafter": "runs/one"}, "drafter=runs/one", "no such directory"),
         ("eval", {"decode.method": "draft_model", "decode.draft_model": "~/no-draft"}, "decode.draft_model=",
@@ -237,12 +237,14 @@ def _digest(path: Path) -> str:
     (["train", "recipe=medusa", "medusa.num_heads=0"], ["medusa.num_heads=0", ">= 1"]),
     (["eval", "decode.method=draft_model", "decode.draft_model=./no-draft"],  # was a hub traceback
      ["decode.draft_model=./no-draft", "no such directory"]),
-    (["train", "recipe=distill", "distill.init=from_pretrained", "distill.pretrained=./no-draft"],
+    (["train", "recipe=draft_model", "distill.init=from_pretrained", "distill.pretrained=./no-draft"],
      ["distill.pretrained=./no-draft", "no such directory"]),
     (["eval", "decode.method=ar", "data=./no-prompts.jsonl"], ["data.path=./no-prompts.jsonl", "no such file"]),
     (["eval", "decode.method=ar", "decode.grammar=regex:a{2,1}"],  # was "mismatched input '{' expecting <EOF>"
      ["decode.grammar=regex:a{2,1}", "quote", "'decode.grammar=\"regex:a{2,1}\"'"]),
     (["eval", "decode.method=ar", 'decode.grammar="regex:a{2,1"'], ["decode.grammar", "regex", "not a valid grammar"]),
+    (["train", "recipe=distill"], ["recipe=distill", "renamed recipe=draft_model"]),  # the family's old name
+    (["capture", "method=distill", "capture.path=feats"], ["method=distill", "renamed method=draft_model"]),
 ])
 def test_cli_bad_setting_is_one_line_before_anything_runs(args, needles, tmp_path):
     data = tmp_path / "keep.jsonl"

@@ -101,7 +101,7 @@ def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, d
             return StubTreeProposer([], lambda j: True, vocab_size=1 << 62, branching=tree.top_k)
         return OracleProposer([])
     if method == "draft_model":
-        if drafter is not None:  # a distilled draft (recipe=distill) or a loaded draft model
+        if drafter is not None:  # a distilled draft (recipe=draft_model) or a loaded draft model
             return DraftModelProposer(drafter, max_len=max_len, **static_options(decode, buckets=True))
         if not decode.draft_model:
             raise DraftTrainError("decode.method=draft_model needs decode.draft_model=<dir of a causal LM>")

@@ -1,8 +1,8 @@
 """Distilled draft models: small HF causal LMs sharing the target's tokenizer, plus on-policy data.
 
 A draft built here is a plain HF model (``save_pretrained`` / ``AutoModelForCausalLM.from_pretrained``), so
-:class:`drafttrain.decoding.proposers.DraftModelProposer` can run it; :class:`DraftLM` is the module recipe=distill
-trains and saves (``drafter_type: draft_lm``, read back by drafttrain.artifacts.load_drafter). Three ways to get
+:class:`drafttrain.decoding.proposers.DraftModelProposer` can run it; :class:`DraftLM` is the module recipe=draft_model
+trains and saves (``drafter_type: draft_model``, read back by drafttrain.artifacts.load_drafter). Three ways to get
 one (:func:`build_draft_lm`):
 
 - ``from_config``: the target's config class and settings, shrunk (fewer layers, optionally narrower),
@@ -25,7 +25,7 @@ from typing import Any, Sequence, TypeVar
 import torch
 from torch import nn
 
-from drafttrain.artifacts import ADAPTER_DIR, DRAFT_LM_TYPE, TARGET_KEY, TYPE_KEY
+from drafttrain.artifacts import ADAPTER_DIR, DRAFT_MODEL_TYPE, TARGET_KEY, TYPE_KEY
 from drafttrain.io import DraftTrainError, atomic_dir
 from drafttrain.targets.load import text_config
 
@@ -61,10 +61,10 @@ class DraftLM(nn.Module):
         return copy.deepcopy(self.lm).merge_and_unload()
 
     def save_pretrained(self, directory, overwrite: bool = True) -> None:
-        """The ``draft_lm`` layout (drafttrain/artifacts.py): the HF model directory (adapters merged) with
+        """The ``draft_model`` layout (drafttrain/artifacts.py): the HF model directory (adapters merged) with
         ``drafter_type`` and the target in its config, the tokenizer, and with LoRA the adapter in ``adapter/``."""
         model = self.base_model()
-        setattr(model.config, TYPE_KEY, DRAFT_LM_TYPE)
+        setattr(model.config, TYPE_KEY, DRAFT_MODEL_TYPE)
         setattr(model.config, TARGET_KEY, self.target_name)
         with atomic_dir(directory, overwrite=overwrite) as tmp:
             model.save_pretrained(str(tmp), safe_serialization=True)

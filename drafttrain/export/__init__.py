@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts import (ADAPTER_DIR, ADAPTER_KEY, CONFIG_NAME, DRAFT_LM_TYPE, DRAFTER_TYPES, EAGLE3_TYPE, HEADS_DIR,
-                         HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE, TYPE_KEY, WEIGHTS_NAME, exported_layout)
+from ..artifacts import (ADAPTER_DIR, ADAPTER_KEY, CONFIG_NAME, DRAFT_MODEL_TYPE, DRAFTER_TYPES, EAGLE3_TYPE, HEADS_DIR,
+                         HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE, WEIGHTS_NAME, exported_layout, saved_type)
 from ..artifacts import exported_target, load_exported_eagle3  # noqa: F401  compatibility: eval.py imports them here
 from ..io import DraftTrainError, atomic_dir, read_json, write_json
 from .eagle3 import export_dtype, write_eagle3
@@ -48,7 +48,7 @@ def _medusa_heads_files(src: Path, tmp: Path, dtype: torch.dtype) -> None:
     from ..io import load_tensors, save_tensors
 
     cfg = read_json(src / CONFIG_NAME)
-    if cfg.get(TYPE_KEY) != MEDUSA_TYPE:
+    if saved_type(cfg) != MEDUSA_TYPE:
         raise DraftTrainError(f"{src}/{CONFIG_NAME}: not a Medusa heads directory")
     cfg["model_type"] = "medusa"
     cfg["architectures"] = ["MedusaModel"]
@@ -89,7 +89,7 @@ def export_drafter(drafter: str | os.PathLike, fmt: str, out: str | os.PathLike,
         raise DraftTrainError(f"out={out}: is the drafter directory itself")
     _check_out(out, overwrite)
     tdtype = export_dtype(dtype)
-    kind = read_json(src / CONFIG_NAME).get(TYPE_KEY)
+    kind = saved_type(read_json(src / CONFIG_NAME))
     with atomic_dir(out, overwrite=True) as tmp:
         if kind == EAGLE3_TYPE:
             from ..drafters.eagle3 import Eagle3Drafter
@@ -111,7 +111,7 @@ def export_drafter(drafter: str | os.PathLike, fmt: str, out: str | os.PathLike,
                     raise DraftTrainError(f"{src / adapter}: no LoRA adapter (adapter_config.json) in this Medusa-2 drafter")
                 shutil.copytree(src / adapter, tmp / adapter)
                 write_json(tmp / CONFIG_NAME, cfg)
-        elif kind == DRAFT_LM_TYPE:
+        elif kind == DRAFT_MODEL_TYPE:
             _export_draft_lm(src, tmp, tdtype)
         else:
             raise DraftTrainError(f"drafter={src}: unknown drafter_type {kind!r} (expected "
@@ -127,10 +127,10 @@ def serve_hint(kind_dir: Path, fmt: str) -> str:
         return (f"python -m sglang.launch_server --model <target> --speculative-algorithm EAGLE3 "
                 f"--speculative-draft-model-path {kind_dir} --speculative-num-steps 5 --speculative-eagle-topk 4 "
                 f"--speculative-num-draft-tokens 8")
-    if cfg.get(TYPE_KEY) == MEDUSA_TYPE:
+    if saved_type(cfg) == MEDUSA_TYPE:
         return (f"vllm serve <target> --speculative-config '{{\"method\": \"medusa\", \"model\": \"{kind_dir}\", "
                 f"\"num_speculative_tokens\": {cfg.get('num_heads', 4)}}}'")
-    if cfg.get(TYPE_KEY) == MEDUSA2_TYPE:
+    if saved_type(cfg) == MEDUSA2_TYPE:
         return (f"merge {kind_dir}/{cfg.get(ADAPTER_KEY, ADAPTER_DIR)} into the target (peft merge_and_unload), then "
                 f"vllm serve <merged target> --speculative-config '{{\"method\": \"medusa\", \"model\": "
                 f"\"{kind_dir}/{cfg.get(HEADS_KEY, HEADS_DIR)}\", \"num_speculative_tokens\": 4}}'")

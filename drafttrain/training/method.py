@@ -1,6 +1,6 @@
 """The training-method protocol: what the loop (training/loop.py) calls on EAGLE-3, Medusa and the draft model.
 
-The loop is method-agnostic; a method (training/eagle3.py, training/medusa.py, training/distill.py) implements
+The loop is method-agnostic; a method (training/eagle3.py, training/medusa.py, training/draft_model.py) implements
 :class:`TrainingMethod`. It subclasses :class:`MethodDefaults` for the optional hooks it does not need, so the
 loop calls every hook unconditionally (no ``hasattr``). ``method_class`` / ``make_method`` map ``job.method``
 to its class and build it from the job.
@@ -20,7 +20,7 @@ METHODS = {
     "eagle3": ("eagle3", "Eagle3Method", "eagle3"),
     "medusa": ("medusa", "MedusaMethod", "medusa"),
     "medusa2": ("medusa", "MedusaMethod", "medusa"),
-    "distill": ("distill", "DistillMethod", "distill"),
+    "draft_model": ("draft_model", "DraftModelMethod", "distill"),
 }
 
 

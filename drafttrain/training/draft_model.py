@@ -1,4 +1,4 @@
-"""Distilled draft models as a training method (the protocol of training/loop.py): ``recipe=distill``.
+"""Distilled draft models as a training method (the protocol of training/loop.py): ``recipe=draft_model``.
 
 A small causal LM sharing the target's tokenizer (drafttrain.drafters.draft_lm.build_draft_lm: shrunk
 config, the target's first layers, or any HF model with the same vocabulary) is trained toward the target:
@@ -16,7 +16,7 @@ GKD), which the target then scores in ``capture``. The rows and the sampling see
 (train.seed, step, rank, micro-batch), so resuming reproduces them.
 
 The saved drafter (``final/``) is a plain HF model directory (``save_pretrained`` + the target's tokenizer;
-``config.json`` carries ``drafter_type: draft_lm``): ``drafttrain eval drafter=final`` or
+``config.json`` carries ``drafter_type: draft_model``): ``drafttrain eval drafter=final`` or
 ``decode.method=draft_model decode.draft_model=final``. With ``distill.use_lora`` the adapters are merged
 into the saved model and also kept in ``final/adapter/``.
 """
@@ -65,8 +65,8 @@ class Capture:
     teacher_logits: torch.Tensor  # [B, T, V] float32, the target's
 
 
-class DistillMethod(MethodDefaults):
-    name = "distill"
+class DraftModelMethod(MethodDefaults):
+    name = "draft_model"
 
     @classmethod
     def from_job(cls, job, tokenizer, target_model):
