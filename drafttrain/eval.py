@@ -638,7 +638,7 @@ def _recorded_target(job) -> str | None:
     return dcfg.get("target_name_or_path") or exported_target(dcfg) or None
 
 
-_IMPLIED_METHOD = {"eagle3": "eagle3", "medusa": "medusa", "medusa2": "medusa", "draft_lm": "draft_model"}
+_IMPLIED_METHOD = {"eagle3": "eagle3", "medusa": "medusa", "medusa2": "medusa", "draft_model": "draft_model"}
 
 
 def _load_job_drafter(job, model, tname: str, recorded: str | None):

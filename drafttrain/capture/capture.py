@@ -21,7 +21,7 @@ import torch
 from ..io import DraftTrainError, read_json, write_json
 from . import store as S
 
-FEATURES_BY_METHOD = {"eagle3": ("taps", "last_hidden"), "medusa": ("last_hidden",), "distill": ("last_hidden",)}
+FEATURES_BY_METHOD = {"eagle3": ("taps", "last_hidden"), "medusa": ("last_hidden",), "draft_model": ("last_hidden",)}
 
 
 def feature_widths(method: str, hidden_size: int) -> dict[str, int]:
