@@ -42,7 +42,7 @@ from .io import DraftTrainError, check_state_dict, load_tensors, read_json
 __all__ = [
     "CONFIG_NAME", "WEIGHTS_NAME", "TYPE_KEY", "TARGET_KEY", "EAGLE3_TYPE", "MEDUSA_TYPE", "MEDUSA2_TYPE",
     "DRAFT_MODEL_TYPE", "DRAFTER_TYPES", "RENAMED_TYPES", "HEADS_KEY", "ADAPTER_KEY", "HEADS_DIR", "ADAPTER_DIR",
-    "DRAFTER_SUBDIR", "saved_type",
+    "DRAFTER_SUBDIR", "saved_type", "recorded_target",
     "drafter_type", "is_checkpoint", "drafter_dir", "load_drafter", "load_medusa", "load_medusa_heads",
     "load_eagle3", "load_draft_lm", "load_draft_model", "exported_layout", "exported_target",
     "load_exported_eagle3", "NORM_FLAGS",
@@ -74,6 +74,13 @@ def saved_type(cfg: dict) -> str | None:
 def drafter_type(path) -> str | None:
     """The ``drafter_type`` of the saved drafter at ``path`` (None for an exported EAGLE-3 layout)."""
     return saved_type(read_json(Path(path) / CONFIG_NAME))
+
+
+def recorded_target(path) -> str | None:
+    """The target the saved drafter at ``path`` was trained for (``target_name_or_path``; an exported vLLM
+    layout names its verifier), None when it names none."""
+    cfg = read_json(Path(path) / CONFIG_NAME)
+    return cfg.get(TARGET_KEY) or exported_target(cfg) or None
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -27,35 +27,11 @@ from pathlib import Path
 
 import torch
 
+from .artifacts import load_draft_model, load_eagle3
 from .config import DEFAULT_BUCKETS
 from .io import DraftTrainError, write_json
 
-SMALL_DRAFT = dict(hidden_size=96, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1)
-
-
 # ---------------------------------------------------------------------------------------------- helpers
-def builtin_small_draft(target_cfg):
-    """A 2-layer sibling of the built-in target: same tokenizer (same files, vocabulary size and seed), trained
-    the same way; the natural ``draft_model`` for the built-in target."""
-    import dataclasses
-
-    from .targets.builtin import ensure_builtin_target
-
-    spec = dataclasses.replace(target_cfg.builtin, **SMALL_DRAFT)
-    return ensure_builtin_target(spec)
-
-
-def load_draft_model(name: str, target_cfg, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = builtin_small_draft(target_cfg) if name == "builtin-small" else Path(name)
-    if not (Path(path) / "config.json").exists():
-        raise DraftTrainError(f"draft_model={name}: no config.json in {path}")
-    model = AutoModelForCausalLM.from_pretrained(str(path)).eval().to(device)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    return model, tok, str(path)
-
-
 class ForwardCounter:
     """Counts calls of a module's forward (HF generate's target forwards)."""
 
@@ -315,34 +291,18 @@ def format_table(result: dict) -> str:
 
 
 def _setup(job):
-    from .eval import eval_conversations, eval_prompt_ids
+    from .artifacts import recorded_target
+    from .data.select import eval_conversations, eval_prompt_ids
     from .targets.load import load_target, target_id
 
     if job.threads > 0:
         torch.set_num_threads(job.threads)
     if job.target.name_or_path == "auto":  # the target the drafter was trained for, else the built-in one
-        from .io import read_json
-
-        rec = None
-        if job.drafter and (Path(job.drafter) / "config.json").exists():
-            rec = read_json(Path(job.drafter) / "config.json").get("target_name_or_path") or None
+        rec = recorded_target(job.drafter) if job.drafter and (Path(job.drafter) / "config.json").exists() else None
         job.target.name_or_path = rec or "builtin"
     model, tokenizer, path = load_target(job.target)
     prompts = eval_prompt_ids(tokenizer, eval_conversations(job.data, path), job.num_prompts)
     return model, tokenizer, path, target_id(path), prompts
-
-
-def _load_eagle3(path, model):
-    from .eval import load_drafter
-
-    if not path:
-        return None
-    if not (Path(path) / "config.json").exists():
-        raise DraftTrainError(f"drafter={path}: not a saved drafter directory (no config.json)")
-    d = load_drafter(path, next(model.parameters()).device)
-    if not hasattr(d, "fuse"):
-        raise DraftTrainError(f"drafter={path}: bench runs EAGLE-3 drafters (decode.method=eagle3)")
-    return d.eval()
 
 
 def run_bench(job, run_dir: Path) -> dict:
@@ -352,7 +312,7 @@ def run_bench(job, run_dir: Path) -> dict:
 
     model, tokenizer, path, tname, prompts = _setup(job)
     dev = next(model.parameters()).device
-    drafter = _load_eagle3(job.drafter, model)
+    drafter = load_eagle3(job.drafter, model)
     dm = None
     dm_path = None
     if job.draft_model and "draft_model" in job.methods:
@@ -482,7 +442,7 @@ def _tune_proposer(job, model, prompts):
     method = job.decode.method
     drafter = None
     if method == "eagle3":
-        drafter = _load_eagle3(job.drafter, model)
+        drafter = load_eagle3(job.drafter, model)
         if drafter is None:
             raise DraftTrainError("tune: decode.method=eagle3 needs drafter=<saved drafter directory>")
     if method not in ("eagle3", "draft_model", "pld"):

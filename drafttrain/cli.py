@@ -113,6 +113,31 @@ def _describe_config_error(exc: BaseException) -> str:
     return f"{where}{first}"
 
 
+def register_configs() -> None:
+    """The structured schemas (drafttrain/config.py) in Hydra's ConfigStore: the primary configs' `defaults`
+    name them (train_schema, …), so every composition is checked against its dataclass."""
+    from hydra.core.config_store import ConfigStore
+
+    from . import config as C
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=C.TrainJob)
+    cs.store(name="eval_schema", node=C.EvalJob)
+    cs.store(name="bench_schema", node=C.BenchJob)
+    cs.store(name="tune_schema", node=C.TuneJob)
+    cs.store(name="build_target_schema", node=C.BuildTargetJob)
+    cs.store(name="regenerate_schema", node=C.RegenerateJob)
+    cs.store(name="capture_schema", node=C.CaptureJob)
+    cs.store(name="export_schema", node=C.ExportJob)
+    cs.store(group="target", name="schema", node=C.TargetConfig)
+    cs.store(group="data", name="schema", node=C.DataConfig)
+    cs.store(group="decode", name="schema", node=C.DecodeConfig)
+    cs.store(group="logger", name="schema", node=C.LoggerConfig)
+
+
+register_configs()
+
+
 def check_overrides(config_name: str, overrides: list[str]) -> None:
     """Compose the config once up front and check every value (drafttrain.validate), so a bad key, value or
     path is reported in one line (exit status 2) before the run directory exists or anything loads."""
@@ -178,7 +203,6 @@ def _without_hydra_flags(args: list[str]) -> list[str]:
 def run_hydra(config_name: str, task: Callable, overrides: list[str]) -> None:
     import hydra
 
-    from . import config  # noqa: F401  (registers the structured configs)
     from .runtime import configure_cpu_threads, quiet_deepspeed_on_cpu
 
     overrides = expand_shorthands(overrides)
@@ -250,7 +274,7 @@ def _capture_task(cfg):
 def _export_task(cfg):
     from .export import run_export
 
-    return run_export(cfg)
+    return run_export(typed_job(cfg))
 
 
 def _bench_task(cfg):

@@ -13,7 +13,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 # ------------------------------------------------------------------------------------------ value rules
@@ -469,22 +468,3 @@ class RegenerateJob:
     # end each conversation before its first turn that stopped at max_new_tokens without an end token (a row whose
     # first answer did is written as "dropped": kept out of training, still resumable); false: keep and count them
     drop_truncated: bool = False
-
-
-def register_configs() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainJob)
-    cs.store(name="eval_schema", node=EvalJob)
-    cs.store(name="bench_schema", node=BenchJob)
-    cs.store(name="tune_schema", node=TuneJob)
-    cs.store(name="build_target_schema", node=BuildTargetJob)
-    cs.store(name="regenerate_schema", node=RegenerateJob)
-    cs.store(name="capture_schema", node=CaptureJob)
-    cs.store(name="export_schema", node=ExportJob)
-    cs.store(group="target", name="schema", node=TargetConfig)
-    cs.store(group="data", name="schema", node=DataConfig)
-    cs.store(group="decode", name="schema", node=DecodeConfig)
-    cs.store(group="logger", name="schema", node=LoggerConfig)
-
-
-register_configs()

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from .data.select import EvalSet, held_out_note
-from .io import DraftTrainError, read_json, write_json
+from .artifacts import drafter_type, load_drafter
+from .data.select import eval_conversations, eval_prompt_ids
+from .io import DraftTrainError, write_json
 
 
 def _fmt(x, spec=".3f"):
@@ -482,17 +483,6 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
     return report
 
 
-def eval_prompt_ids(tokenizer, convs, limit: int) -> list[list[int]]:
-    """Prompt ids of the first ``limit`` conversations (0: all of them)."""
-    from .data.chat import prompt_ids
-
-    out = []
-    for c in (convs[:limit] if limit else convs):
-        if hasattr(c, "prompt_ids"):  # a structured row (drafttrain.structured.StructuredExample)
-            out.append(c.prompt_ids(tokenizer))
-            continue
-        out.append(prompt_ids(tokenizer, c.messages if hasattr(c, "messages") else c))
-    return out
 
 
 def add_sampled_row(report: dict, model, tokenizer, drafter, decode, eval_convs, run_dir, temperature: float,
@@ -547,74 +537,6 @@ def evaluate_drafter(model, tokenizer, drafter, decode, eval_convs, run_dir, *, 
                     grammars=grammar_plan(decode.grammar, eval_convs, len(prompts)))
 
 
-def load_drafter(path: str, device, target_model=None):
-    cfg = read_json(Path(path) / "config.json")
-    kind = cfg.get("drafter_type")
-    if kind is None:  # `drafttrain export` output (vLLM speculators / SGLang flat EAGLE-3 layouts)
-        from .export import exported_layout, load_exported_eagle3
-
-        if exported_layout(cfg):
-            return load_exported_eagle3(path, target_model=target_model, device=device)
-    if kind == "eagle3":
-        from .drafters.eagle3 import Eagle3Drafter
-
-        return Eagle3Drafter.from_pretrained(path, device=device)
-    if kind == "draft_lm":  # recipe=distill: a plain HF causal LM directory
-        from transformers import AutoModelForCausalLM
-
-        try:
-            return AutoModelForCausalLM.from_pretrained(path).eval().to(device)
-        except (OSError, ValueError) as e:
-            raise DraftTrainError(f"{path}: cannot load the draft model ({e})".splitlines()[0]) from None
-    if kind in ("medusa", "medusa2"):
-        raise DraftTrainError(f"{path}: a {kind} drafter is loaded with its target (drafttrain.artifacts."
-                              "load_medusa)")
-    raise DraftTrainError(f"{path}/config.json: unknown drafter_type {kind!r}")
-
-
-def eval_conversations(data_cfg, target_path: str | None = None) -> EvalSet:
-    """The evaluation set of ``data``: built-in held-out chats (of the corpus ``data.corpus`` names; ``auto``:
-    the one the built-in target at ``target_path`` was trained on); a JSONL file's rows (``data.eval_path``: its
-    first ``data.num_eval``; else the last ``data.num_eval`` rows of ``data.path``, the rows training holds
-    out; ``data.num_eval=0``: every row); or structured rows. Prompt files may leave the final assistant turn
-    empty or out."""
-    from .data.chat import read_conversations
-
-    n = int(data_cfg.num_eval)
-    if data_cfg.source == "builtin":
-        from .data.builtin import builtin_conversations, corpus_of
-
-        if n == 0:
-            raise DraftTrainError("data.num_eval=0 (every row) needs a prompt file (data=<file>.jsonl); the "
-                                  "built-in set needs a count")
-        corpus = corpus_of(getattr(data_cfg, "corpus", "auto"), target_path)
-        return EvalSet(builtin_conversations("eval", n, data_cfg.seed, corpus),
-                       f"{n} built-in held-out {corpus} chats")
-    if data_cfg.source == "jsonl":
-        if data_cfg.eval_path:
-            rows = read_conversations(data_cfg.eval_path, skip_invalid=data_cfg.skip_invalid, prompts_only=True)
-            sel = rows[:n] if n else rows
-            return EvalSet(sel, f"{'every one' if len(sel) == len(rows) else f'the first {len(sel)}'} of "
-                                f"{len(rows)} rows of {data_cfg.eval_path}")
-        if not data_cfg.path:
-            raise DraftTrainError("data.path (or data.eval_path) is required with data=jsonl")
-        rows = read_conversations(data_cfg.path, skip_invalid=data_cfg.skip_invalid, prompts_only=True)
-        if not n or n >= len(rows):
-            return EvalSet(rows, f"every one of {len(rows)} rows of {data_cfg.path}")
-        return EvalSet(rows[-n:], held_out_note(n, len(rows), data_cfg.path))
-    if data_cfg.source == "structured":  # prompts with a JSON schema each (drafttrain.structured.evalset)
-        from .structured import builtin_structured_examples, read_structured_jsonl
-
-        path = data_cfg.eval_path or data_cfg.path
-        if path:
-            rows = read_structured_jsonl(path, limit=n or None)
-            return EvalSet(rows, f"{len(rows)} structured rows of {path}")
-        if n == 0:
-            raise DraftTrainError("data.num_eval=0 (every row) needs a structured prompt file (data.path)")
-        return EvalSet(builtin_structured_examples("eval", n, data_cfg.seed,
-                                                   max_string_length=data_cfg.structured_max_string_length),
-                       f"{n} built-in structured prompts")
-    raise DraftTrainError(f"data.source={data_cfg.source}: expected builtin, jsonl or structured")
 
 
 def announce_prompts(prompts: list, convs, limit: int) -> None:
@@ -628,14 +550,12 @@ def _recorded_target(job) -> str | None:
     """Resolve ``job.drafter`` (a training checkpoint -> its drafter) and return the target it names, if any."""
     if not job.drafter:
         return None
-    from .artifacts import drafter_dir  # a training checkpoint (step_*) -> its drafter
-    from .export import exported_target  # an exported vLLM layout names its verifier
+    from .artifacts import drafter_dir, recorded_target  # a training checkpoint (step_*) -> its drafter
 
     job.drafter = str(drafter_dir(job.drafter))
     if not (Path(job.drafter) / "config.json").exists():
         raise DraftTrainError(f"drafter={job.drafter}: not a saved drafter directory (no config.json)")
-    dcfg = read_json(Path(job.drafter) / "config.json")
-    return dcfg.get("target_name_or_path") or exported_target(dcfg) or None
+    return recorded_target(job.drafter)
 
 
 _IMPLIED_METHOD = {"eagle3": "eagle3", "medusa": "medusa", "medusa2": "medusa", "draft_model": "draft_model"}
@@ -646,7 +566,7 @@ def _load_job_drafter(job, model, tname: str, recorded: str | None):
     the default. Returns ``(model, drafter, extra)`` (Medusa-2 returns the adapted target)."""
     if recorded and recorded != tname:
         raise DraftTrainError(f"drafter={job.drafter} was trained for target {recorded}, but target={tname} was given")
-    kind = read_json(Path(job.drafter) / "config.json").get("drafter_type")
+    kind = drafter_type(job.drafter)
     if kind in _IMPLIED_METHOD and job.decode.method != _IMPLIED_METHOD[kind]:
         if job.decode.method != "eagle3":  # eagle3 is the default: infer the method from the drafter
             raise DraftTrainError(f"drafter={job.drafter} is a {kind} drafter; decode.method="

@@ -194,7 +194,7 @@ def medusa2_drift(final: Path, num_prompts: int, max_new_tokens: int, threads: i
 
     from drafttrain.data.builtin import builtin_conversations, corpus_of
     from drafttrain.data.chat import stop_token_ids
-    from drafttrain.eval import eval_prompt_ids
+    from drafttrain.data.select import eval_prompt_ids
     from drafttrain.io import read_json
     from drafttrain.artifacts import load_medusa
 

@@ -32,7 +32,6 @@ def main(argv=None) -> int:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import drafttrain.config  # noqa: F401  (registers the structured configs)
     from drafttrain.cli import CONF_DIR, expand_shorthands
     from drafttrain.data.chat import collate
     from drafttrain.data.packing import collate_packed

@@ -350,7 +350,7 @@ def test_grammar_plan_and_eval_data(tmp_path):
     import json
 
     from drafttrain.config import DataConfig
-    from drafttrain.eval import eval_conversations
+    from drafttrain.data.select import eval_conversations
     from drafttrain.io import DraftTrainError
 
     rows = builtin_structured_examples(limit=3, seed=0, max_string_length=8)

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..io import DraftTrainError, read_json, write_json
+from ..targets.load import gather_taps
 from . import store as S
 
 FEATURES_BY_METHOD = {"eagle3": ("taps", "last_hidden"), "medusa": ("last_hidden",), "draft_model": ("last_hidden",)}
@@ -64,7 +65,7 @@ def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         last, hs = seen[0], out.hidden_states
     feats = {"last_hidden": last}
     if want_hs:
-        feats["taps"] = torch.cat([hs[i] for i in taps], dim=-1)
+        feats["taps"] = gather_taps(hs, taps)
     return feats
 
 

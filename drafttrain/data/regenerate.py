@@ -50,7 +50,7 @@ _CHECKED_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "model", 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
     """Stop tokens: the model's generation_config eos (int or list) plus the tokenizer's eos; an error when
-    there is none (generation would never stop). The definition is ``targets.load.stop_token_ids``."""
+    there is none (generation would never stop). The definition is ``data/chat.stop_token_ids``."""
     from .chat import stop_token_ids
 
     return stop_token_ids(model, tokenizer, required=True)

@@ -26,7 +26,6 @@ import torch
 
 from ..artifacts import (ADAPTER_DIR, ADAPTER_KEY, CONFIG_NAME, DRAFT_MODEL_TYPE, DRAFTER_TYPES, EAGLE3_TYPE, HEADS_DIR,
                          HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE, WEIGHTS_NAME, exported_layout, saved_type)
-from ..artifacts import exported_target, load_exported_eagle3  # noqa: F401  compatibility: eval.py imports them here
 from ..io import DraftTrainError, atomic_dir, read_json, write_json
 from .eagle3 import export_dtype, write_eagle3
 
@@ -139,12 +138,10 @@ def serve_hint(kind_dir: Path, fmt: str) -> str:
             f"--speculative-draft-model-path {kind_dir}")
 
 
-def run_export(cfg) -> Path:
-    from omegaconf import OmegaConf
-
+def run_export(job) -> Path:
+    """``drafttrain export``: ``job`` is an ``ExportJob`` (drafttrain/config.py)."""
     from ..artifacts import drafter_dir  # a training checkpoint (step_*) -> its drafter
 
-    job = OmegaConf.to_object(cfg)
     job.drafter = str(drafter_dir(job.drafter))
     out = export_drafter(job.drafter, job.format, job.out, overwrite=job.overwrite, dtype=job.dtype,
                          verifier=job.verifier, num_speculative_tokens=job.num_speculative_tokens)

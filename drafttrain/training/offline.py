@@ -14,7 +14,7 @@ def offline_data(job, tname: str):
     """capture.mode=offline: the examples (and later their features) from a `drafttrain capture` directory;
     evaluation prompts from ``data`` as usual."""
     from ..capture.store import FeatureStore
-    from ..eval import eval_conversations
+    from ..data.select import eval_conversations
 
     c = job.capture
     if not c.path:
