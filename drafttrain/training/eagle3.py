@@ -18,7 +18,7 @@ from ..io import DraftTrainError
 from ..losses import (EAGLE3_LOSSES, Eagle3Teacher, combine_step_losses, eagle3_step_stats, eagle3_valid_mask,
                       step_weights, teacher_from_hidden, teacher_from_logits)
 from ..targets.load import gather_taps, num_layers, resolve_taps, text_config
-from .method import MethodDefaults
+from .method import MethodDefaults, chain_tau, position_means
 
 
 @dataclass
@@ -180,23 +180,13 @@ class Eagle3Method(MethodDefaults):
 
     def summarize(self, stats: dict) -> dict:
         """Per-step means from summed stats (already reduced over processes and micro-batches)."""
-        out = {}
+        out = position_means(stats, self.ttt_steps, {"loss": "loss_sum", "acc": "acc_sum", "accept": "accept_sum"})
         total = 0.0
         for i in range(self.ttt_steps):
-            n = max(float(stats[f"count_{i}"]), 1.0)
-            li = float(stats[f"loss_sum_{i}"]) / n
-            out[f"loss_{i}"] = li
-            out[f"acc_{i}"] = float(stats[f"acc_sum_{i}"]) / n
-            out[f"accept_{i}"] = float(stats[f"accept_sum_{i}"]) / n
-            total += self.weights[i] * li
+            total += self.weights[i] * out[f"loss_{i}"]
         out["loss"] = total
-        out["valid_tokens_0"] = float(stats["count_0"])
         return out
 
     def estimated_tau(self, summary: dict, k: int) -> float:
         """1 + Σ_{j=1..k} Π_{i<j} acc_i: the chain τ implied by per-step training accuracy (greedy)."""
-        tau, prod = 1.0, 1.0
-        for i in range(min(k, self.ttt_steps)):
-            prod *= summary[f"acc_{i}"]
-            tau += prod
-        return tau
+        return chain_tau(summary[f"acc_{i}"] for i in range(min(k, self.ttt_steps)))

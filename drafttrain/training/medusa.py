@@ -41,7 +41,7 @@ from ..io import DraftTrainError, atomic_dir, save_tensors, write_json
 from ..lora import add_lora, lora_target_modules
 from ..losses import (combine_step_losses, kd_loss, medusa_head_stats, medusa_head_weights, medusa_valid_mask,
                       next_token_mask)
-from .method import MethodDefaults
+from .method import MethodDefaults, chain_tau, position_means
 
 __all__ = ["MedusaTrainable", "MedusaMethod", "self_distillation_kl"]
 
@@ -314,18 +314,13 @@ class MedusaMethod(MethodDefaults):
         return [hits[i] for i in range(R)] + [torch.zeros(()) for _ in range(self.R - R)]
 
     def summarize(self, stats: dict) -> dict:
-        out: dict = {}
+        out = position_means(stats, self.K, {"ce": "ce_sum", "acc": "top1_sum", "top5": "top5_sum"})
         total = 0.0
         for k in range(self.K):
             n = max(float(stats[f"count_{k}"]), 1.0)
-            ce = float(stats[f"ce_sum_{k}"]) / n
-            out[f"ce_{k}"] = ce
-            out[f"acc_{k}"] = float(stats[f"top1_sum_{k}"]) / n
-            out[f"top5_{k}"] = float(stats[f"top5_sum_{k}"]) / n
             for i in range(self.R):
                 out[f"racc_{k}_{i}"] = float(stats[f"rank_sum_{k}_{i}"]) / n
-            total += self.weights[k] * ce
-        out["valid_tokens_0"] = float(stats["count_0"])
+            total += self.weights[k] * out[f"ce_{k}"]
         if self.joint:
             n = max(float(stats["lm_count"]), 1.0)
             out["lm_loss"] = float(stats["lm_sum"]) / n
@@ -341,11 +336,7 @@ class MedusaMethod(MethodDefaults):
     def estimated_tau(self, summary: dict, k: int) -> float:
         """Chain (greedy): 1 + Σ_j Π_{i<j} acc_i over the first k heads (head accuracies treated as
         conditional ones; an approximation, heads do not see earlier drafts)."""
-        tau, prod = 1.0, 1.0
-        for i in range(min(k, self.K)):
-            prod *= summary[f"acc_{i}"]
-            tau += prod
-        return tau
+        return chain_tau(summary[f"acc_{i}"] for i in range(min(k, self.K)))
 
     # ---- loop hooks
     def finalize(self, drafter: MedusaTrainable, train_metrics: dict) -> None:

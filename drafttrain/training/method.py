@@ -109,6 +109,28 @@ class MethodDefaults:
         return None
 
 
+def position_means(stats: dict, positions: int, sums: dict[str, str]) -> dict:
+    """Per-position means of globally summed stats: ``out[f"{name}_{i}"] = stats[f"{key}_{i}"] / count_i`` for
+    each ``name: key`` of ``sums`` (``count_i`` at least 1), plus ``valid_tokens_0``. The summaries of the
+    methods that train one prediction per position (EAGLE-3's TTT steps, Medusa's heads) start from it."""
+    out: dict = {}
+    for i in range(positions):
+        n = max(float(stats[f"count_{i}"]), 1.0)
+        for name, key in sums.items():
+            out[f"{name}_{i}"] = float(stats[f"{key}_{i}"]) / n
+    out["valid_tokens_0"] = float(stats["count_0"])
+    return out
+
+
+def chain_tau(accuracies) -> float:
+    """1 + Σ_j Π_{i<j} acc_i: the greedy chain τ implied by per-position accuracies (treated as conditional)."""
+    tau, prod = 1.0, 1.0
+    for a in accuracies:
+        prod *= a
+        tau += prod
+    return tau
+
+
 def method_class(job):
     """``(class, its config section)`` of ``job.method``."""
     if job.method not in METHODS:
