@@ -19,7 +19,7 @@ import torch
 from ..io import DraftTrainError
 from .chat import collate
 
-__all__ = ["pack_groups", "best_groups", "collate_packed", "padding_ratio", "lm_inputs", "pack_features"]
+__all__ = ["pack_groups", "best_groups", "packing_cost", "ATTENTION_TOKENS", "collate_packed", "padding_ratio", "lm_inputs", "pack_features"]
 
 
 def pack_groups(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -46,17 +46,24 @@ def pack_groups(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-PACK_TOLERANCE = 1.1  # tensor cells per real token a packing may spend to keep its rows short
+# What a packed row costs the drafter: its linear layers, lm_head and loss scale with the row's tensor cells
+# (T), its TTT attention (scores, masks and softmax over [T, T] per head and per unrolled step) with T^2.
+# ATTENTION_TOKENS is the row length at which the two are equal; a packing of R rows of length T costs
+# R * (T + T^2 / ATTENTION_TOKENS) (bench/training_quality.md, "Step cost": merging uniform conversations
+# into rows several times longer made a step 1.4x-4x dearer although it saved a few cells).
+ATTENTION_TOKENS = 256
+
+
+def packing_cost(rows: int, T: int) -> float:
+    return rows * (T + T * T / ATTENTION_TOKENS)
 
 
 def best_groups(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """The packing of ``lengths`` into rows of at most ``capacity`` tokens (``max(lengths)`` if larger): the
-    shortest rows whose tensor cells (``rows x longest row``) stay within ``PACK_TOLERANCE`` x the real
-    tokens, else the fewest cells (ties to the shorter rows). Short rows matter as much as few cells: the
-    drafter's attention and its document masks grow with the square of the row length, so rows of uniform
-    conversations are left one per row rather than merged into rows of several times their length. Tries
-    first-fit decreasing at the row lengths that split the total evenly, and at the longest example's length,
-    which alone never does worse than one example per padded row."""
+    """The packing of ``lengths`` into rows of at most ``capacity`` tokens (``max(lengths)`` if larger) of the
+    least :func:`packing_cost` (ties: fewer cells, then shorter rows). Tries first-fit decreasing at the row
+    lengths that split the total evenly, and at the longest example's length, which alone is never costlier
+    than one example per padded row (no more rows, no longer ones): uniform conversations stay one per row
+    whatever the capacity, short ones fill the rows of the long ones."""
     longest, total = max(lengths), sum(lengths)
     cap = max(int(capacity), longest)
     candidates = {longest, cap} | {-(-total // r) for r in range(1, len(lengths) + 1)}
@@ -64,11 +71,8 @@ def best_groups(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     for c in sorted(x for x in candidates if longest <= x <= cap):
         groups = pack_groups(lengths, c)
         T = max(sum(lengths[i] for i in g) for g in groups)
-        options.append((len(groups) * T, T, groups))
-    within = [o for o in options if o[0] <= PACK_TOLERANCE * total]
-    if within:
-        return min(within, key=lambda o: (o[1], o[0]))[2]
-    return min(options, key=lambda o: (o[0], o[1]))[2]
+        options.append((packing_cost(len(groups), T), len(groups) * T, T, groups))
+    return min(options, key=lambda o: o[:3])[3]
 
 
 def collate_packed(examples: Sequence[dict], pad_id: int, capacity: int) -> dict[str, torch.Tensor]:
