@@ -25,7 +25,8 @@ Drafter modules import this one at their top; this one imports them only inside 
 Exported EAGLE-3 layouts (written by drafttrain.export.eagle3; shared/reference/speculators-modelopt-serving-
 formats.md §2): ``vllm``, the speculators layout (``speculators_model_type: eagle3``, a nested
 ``transformer_layer_config``, the verifier in ``speculators_config``) and ``sglang``, the flat
-``LlamaForCausalLMEagle3`` layout (``eagle_config.eagle_aux_hidden_state_layer_ids`` = ids - 1).
+``LlamaForCausalLMEagle3`` layout (``eagle_config.eagle_aux_hidden_state_layer_ids`` = ids - 1), and
+``trtllm``, TensorRT-LLM's reading of that flat layout (``midlayer.*`` tensors, ``drafttrain_layout: trtllm``).
 :func:`load_exported_eagle3` reads either back, including checkpoints written by speculators itself (whose
 trainer defaults to ``norm_before_residual``, ``norm_before_fc`` and ``norm_output`` all true), with vLLM's
 reading of every flag, so such a drafter is scored here as vLLM would serve it.
@@ -45,7 +46,8 @@ __all__ = [
     "DRAFTER_SUBDIR", "saved_type", "recorded_target",
     "drafter_type", "is_checkpoint", "drafter_dir", "load_drafter", "load_medusa", "load_medusa_heads",
     "load_eagle3", "load_draft_lm", "load_draft_model", "exported_layout", "exported_target",
-    "load_exported_eagle3", "NORM_FLAGS",
+    "load_exported_eagle3", "NORM_FLAGS", "TRTLLM_LAYOUT", "LAYOUT_KEY", "TRTLLM_OPTIONS_NAME",
+    "TRTLLM_ARCHITECTURE", "TRTLLM_LAYER_PREFIX", "trtllm_to_drafter_names",
 ]
 
 # ------------------------------------------------------------------------------------------ layout facts
@@ -62,6 +64,12 @@ RENAMED_TYPES = {"draft_lm": DRAFT_MODEL_TYPE}  # drafter_type values older save
 HEADS_KEY, ADAPTER_KEY = "heads", "adapter"  # medusa2 config.json keys naming its two subdirectories
 HEADS_DIR, ADAPTER_DIR = "heads", "adapter"  # their names (also draft_model's adapter/ with distill.use_lora)
 DRAFTER_SUBDIR = "drafter"  # <checkpoint>/drafter: a training checkpoint's drafter, built on first use
+# the TensorRT-LLM (PyTorch backend) EAGLE-3 export (drafttrain.export.eagle3): a flat HF config + midlayer.* tensors
+TRTLLM_LAYOUT = "trtllm"
+LAYOUT_KEY = "drafttrain_layout"  # config.json key naming that layout (its architecture is SGLang's; TRT-LLM ignores it)
+TRTLLM_OPTIONS_NAME = "extra_llm_api_options.yaml"  # beside config.json: trtllm-serve --extra_llm_api_options
+TRTLLM_ARCHITECTURE = "LlamaForCausalLMEagle3"  # TRT-LLM strips "Eagle3", prefixes "EAGLE3": EAGLE3LlamaForCausalLM
+TRTLLM_LAYER_PREFIX = "midlayer"  # its draft layers: midlayer.* (one layer), midlayer.{i}.* (several)
 
 
 def saved_type(cfg: dict) -> str | None:
@@ -137,7 +145,7 @@ def load_drafter(path: str, device, target_model=None):
     (``draft_model``). Medusa drafters are loaded with their target (:func:`load_medusa`)."""
     cfg = read_json(Path(path) / CONFIG_NAME)
     kind = saved_type(cfg)
-    if kind is None and exported_layout(cfg):  # `drafttrain export` output (vLLM / SGLang EAGLE-3 layouts)
+    if kind is None and exported_layout(cfg):  # `drafttrain export` output (vLLM / SGLang / TRT-LLM EAGLE-3 layouts)
         return load_exported_eagle3(path, target_model=target_model, device=device)
     if kind == EAGLE3_TYPE:
         from .drafters.eagle3 import Eagle3Drafter
@@ -240,7 +248,10 @@ NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"
 
 
 def exported_layout(config: dict) -> str | None:
-    """``vllm`` (speculators layout), ``sglang`` (flat LlamaForCausalLMEagle3) or None."""
+    """``vllm`` (speculators layout), ``sglang`` (flat LlamaForCausalLMEagle3), ``trtllm`` (the flat layout with
+    ``midlayer.*`` tensors, marked by ``drafttrain_layout``) or None."""
+    if config.get(LAYOUT_KEY) == TRTLLM_LAYOUT:
+        return TRTLLM_LAYOUT
     if config.get("speculators_model_type") == "eagle3":
         return "vllm"
     archs = config.get("architectures") or []
@@ -310,6 +321,38 @@ def _read_sglang_layout(raw: dict, where):
     return raw, taps, norms, ""
 
 
+def _read_trtllm_layout(raw: dict, where):
+    """(layer config, taps, norm flags, verifier) of the TensorRT-LLM layout: TRT-LLM's reading of the flags
+    (norm_before_residual false, the only convention it runs; norm_before_fc in eagle_config; fc_norm and
+    norm_output at the top level). The taps are the ones drafttrain wrote (TRT-LLM reads its YAML's instead)."""
+    eagle = raw.get("eagle_config") or {}
+    norms = {"norm_before_residual": False,
+             "norm_before_fc": _flag(eagle, "norm_before_fc", False, where),
+             "fc_norm": _flag(raw, "fc_norm", False, where),
+             "norm_output": _flag(raw, "norm_output", False, where) or _flag(eagle, "return_hidden_post_norm", False,
+                                                                                 where)}
+    return raw, raw.get("eagle_aux_hidden_state_layer_ids"), norms, ""
+
+
+def trtllm_to_drafter_names(sd: dict, num_layers: int) -> dict:
+    """TensorRT-LLM layout tensor names -> the drafter's: ``midlayer.`` (one layer) / ``midlayer.{i}.`` ->
+    ``layers.{i}.``; a later layer's ``hidden_norm`` (what TRT-LLM's regular layers normalise their input
+    with) -> ``input_layernorm``."""
+    out = {}
+    for k, v in sd.items():
+        if k.startswith(TRTLLM_LAYER_PREFIX + "."):
+            rest = k[len(TRTLLM_LAYER_PREFIX) + 1:]
+            i, sep, tail = rest.partition(".")
+            if num_layers > 1 and i.isdigit() and sep:
+                k = f"layers.{i}.{tail}"
+                if int(i) > 0 and tail == "hidden_norm.weight":
+                    k = f"layers.{i}.input_layernorm.weight"
+            else:
+                k = f"layers.0.{rest}"
+        out[k] = v
+    return out
+
+
 def _exported_eagle3_config(raw: dict, where):
     """The ``Eagle3DrafterConfig`` an exported config describes (either layout)."""
     from .drafters.eagle3 import Eagle3DrafterConfig
@@ -318,7 +361,8 @@ def _exported_eagle3_config(raw: dict, where):
     if layout is None:
         raise DraftTrainError(f"{where}: not an exported EAGLE-3 config (no speculators_model_type: eagle3 and no "
                               "LlamaForCausalLMEagle3 architecture)")
-    lc, taps, norms, target = (_read_vllm_layout if layout == "vllm" else _read_sglang_layout)(raw, where)
+    read = {"vllm": _read_vllm_layout, "sglang": _read_sglang_layout, TRTLLM_LAYOUT: _read_trtllm_layout}[layout]
+    lc, taps, norms, target = read(raw, where)
     if taps is None:
         raise DraftTrainError(f"{where}: no eagle_aux_hidden_state_layer_ids (the taps must be explicit)")
     _warn_sliding_window(lc, where)
@@ -340,7 +384,7 @@ def _exported_eagle3_config(raw: dict, where):
         raise DraftTrainError(f"{where}: missing key {e.args[0]!r}") from None
 
 
-def _exported_eagle3_tensors(directory: Path, config, target_model) -> dict[str, torch.Tensor]:
+def _exported_eagle3_tensors(directory: Path, config, target_model, layout=None) -> dict[str, torch.Tensor]:
     """The export's tensors under the drafter's names: ``model.`` prefixes dropped, ``t2d`` rebuilt from (and
     checked against) ``d2t``, the embedding taken from ``target_model`` when the export has none."""
     from .data.vocab import d2t_target_ids
@@ -348,6 +392,10 @@ def _exported_eagle3_tensors(directory: Path, config, target_model) -> dict[str,
     weights = directory / WEIGHTS_NAME
     sd = load_tensors(weights)
     sd = {k[len("model."):] if k.startswith("model.") and k != "model.lm_head.weight" else k: v for k, v in sd.items()}
+    if layout == TRTLLM_LAYOUT:
+        sd = trtllm_to_drafter_names(sd, config.num_layers)
+        if "d2t" not in sd and config.draft_vocab_size == config.vocab_size:  # TRT-LLM: no d2t = identity
+            sd["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
     if "d2t" not in sd or "lm_head.weight" not in sd:
         raise DraftTrainError(f"{weights}: needs d2t and lm_head.weight")
     sd["d2t"] = sd["d2t"].long()
@@ -368,9 +416,9 @@ def _exported_eagle3_tensors(directory: Path, config, target_model) -> dict[str,
 
 
 def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
-    """An :class:`~drafttrain.drafters.eagle3.Eagle3Drafter` from an exported vLLM or SGLang directory, or a
-    checkpoint speculators wrote (the same speculators layout, with ``embed_tokens`` and any of the norm
-    flags ``norm_before_residual``, ``norm_before_fc``, ``fc_norm``, ``norm_output``).
+    """An :class:`~drafttrain.drafters.eagle3.Eagle3Drafter` from an exported vLLM, SGLang or TensorRT-LLM
+    directory, or a checkpoint speculators wrote (the same speculators layout, with ``embed_tokens`` and any of
+    the norm flags ``norm_before_residual``, ``norm_before_fc``, ``fc_norm``, ``norm_output``).
 
     Without ``embed_tokens.weight`` in the directory (drafttrain's exports) the embedding is taken from
     ``target_model`` (the verifier), as the engines do.
@@ -378,8 +426,9 @@ def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
     from .drafters.eagle3 import Eagle3Drafter
 
     directory = Path(directory)
-    config = _exported_eagle3_config(read_json(directory / CONFIG_NAME), directory / CONFIG_NAME)
-    sd = _exported_eagle3_tensors(directory, config, target_model)
+    raw = read_json(directory / CONFIG_NAME)
+    config = _exported_eagle3_config(raw, directory / CONFIG_NAME)
+    sd = _exported_eagle3_tensors(directory, config, target_model, exported_layout(raw))
     model = Eagle3Drafter(config, sd["d2t"], sd["t2d"])
     dtype = sd["fc.weight"].dtype
     if dtype != torch.float32:

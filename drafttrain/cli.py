@@ -7,7 +7,7 @@ Commands:
   regenerate    rewrite assistant turns of a JSONL file with the target's own outputs (resumable)
   capture       store the target's hidden states for offline training (``capture.path=DIR``; resumable,
                 multi-process under ``accelerate launch -m drafttrain.cli capture``)
-  export        write a drafter for vLLM / SGLang / HF (``drafter=… format=vllm|sglang|hf out=…``)
+  export        write a drafter for vLLM / SGLang / TensorRT-LLM / HF (``drafter=… format=vllm|sglang|trtllm|hf out=…``)
   bench         our decoder vs HF generate() / assisted / prompt lookup, and EAGLE-3 chain + tree (a table)
   tune          pick decode.num_draft_tokens or decode.tree.total_tokens from measured acceptance and costs
 

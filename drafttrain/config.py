@@ -383,13 +383,13 @@ class ExportJob:
     """`drafttrain export`: a trained drafter in the on-disk layout a serving engine loads."""
 
     drafter: str = MISSING  # a saved drafter directory (runs/<run>/final)
-    # EAGLE-3: vllm = speculators layout, sglang = flat Eagle3 layout
-    format: str = one_of(MISSING, "vllm", "sglang", "hf")
+    # EAGLE-3: vllm = speculators layout, sglang = flat Eagle3 layout, trtllm = TensorRT-LLM's (PyTorch backend)
+    format: str = one_of(MISSING, "vllm", "sglang", "trtllm", "hf")
     out: str = MISSING  # the output directory; must not exist or be empty unless overwrite=true
     overwrite: bool = False  # replace a non-empty `out`
     dtype: str = one_of("bfloat16", *STORAGE_DTYPES)  # floating-point tensors
     verifier: Optional[str] = None  # verifier name/path written into the config (default: the training target)
-    num_speculative_tokens: int = num(3, ge=1)  # vllm EAGLE-3: speculators_config proposal default (serve can override)
+    num_speculative_tokens: int = num(3, ge=1)  # EAGLE-3 proposal default: vllm speculators_config, trtllm max_draft_len
 
 
 @dataclass

@@ -1,16 +1,19 @@
-"""``drafttrain export drafter=DIR format=vllm|sglang|hf out=OUT``: a trained drafter in a serving layout.
+"""``drafttrain export drafter=DIR format=vllm|sglang|trtllm|hf out=OUT``: a trained drafter in a serving layout.
 
 ==============  =========================================================================================
 drafter         formats
 ==============  =========================================================================================
 EAGLE-3         ``vllm``: speculators layout (``vllm serve OUT``); ``sglang``: flat
-                ``LlamaForCausalLMEagle3`` layout (``--speculative-draft-model-path OUT``). See export/eagle3.py.
+                ``LlamaForCausalLMEagle3`` layout (``--speculative-draft-model-path OUT``, one draft layer);
+                ``trtllm``: TensorRT-LLM's PyTorch backend (flat config, ``midlayer.*`` tensors, plus
+                ``extra_llm_api_options.yaml`` for ``trtllm-serve``). See export/eagle3.py.
 Medusa-1        ``vllm``: ``model_type: medusa``, ``blocks.{h}.layers.{l}.{weight,bias}``, ``lm_heads.{h}.weight``
-                (SGLang has no Medusa).
+                (SGLang has no Medusa; TensorRT-LLM runs it only from an engine build).
 Medusa-2        ``vllm``: ``heads/`` in the Medusa-1 layout, ``adapter/`` the target's LoRA adapter (peft),
                 ``config.json`` pointing at both. Serve the target with the adapter merged.
 distilled (LM)  ``hf`` (also accepted: ``vllm``, ``sglang``): a plain HF model directory (``save_pretrained``,
-                safetensors) plus the tokenizer when the drafter has one.
+                safetensors) plus the tokenizer when the drafter has one; TensorRT-LLM's draft-target mode
+                loads that directory too (``format=trtllm`` is refused with that hint).
 ==============  =========================================================================================
 
 The output directory is built under a temporary name and renamed into place; a non-empty ``out`` is refused
@@ -25,13 +28,14 @@ from pathlib import Path
 import torch
 
 from ..artifacts import (ADAPTER_DIR, ADAPTER_KEY, CONFIG_NAME, DRAFT_MODEL_TYPE, DRAFTER_TYPES, EAGLE3_TYPE, HEADS_DIR,
-                         HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE, WEIGHTS_NAME, exported_layout, saved_type)
+                         HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE, TRTLLM_LAYOUT, TRTLLM_OPTIONS_NAME, WEIGHTS_NAME,
+                         exported_layout, saved_type)
 from ..io import DraftTrainError, atomic_dir, read_json, write_json
 from .eagle3 import export_dtype, write_eagle3
 
 __all__ = ["export_drafter", "run_export", "FORMATS"]
 
-FORMATS = ("vllm", "sglang", "hf")
+FORMATS = ("vllm", "sglang", TRTLLM_LAYOUT, "hf")
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -95,8 +99,11 @@ def export_drafter(drafter: str | os.PathLike, fmt: str, out: str | os.PathLike,
 
             d = Eagle3Drafter.from_pretrained(src)
             write_eagle3(d, fmt, tmp, dtype=dtype, verifier=verifier or d.config.target_name_or_path,
-                         num_speculative_tokens=num_speculative_tokens)
+                         num_speculative_tokens=num_speculative_tokens, final_dir=out)
         elif kind in (MEDUSA_TYPE, MEDUSA2_TYPE):
+            if fmt == TRTLLM_LAYOUT:
+                raise DraftTrainError("format=trtllm: Medusa on TensorRT-LLM is engine-build only (its PyTorch "
+                                      "backend has no Medusa); use format=vllm")
             if fmt != "vllm":
                 raise DraftTrainError(f"format={fmt}: Medusa drafters export for vLLM only (SGLang has no Medusa)")
             if kind == MEDUSA_TYPE:
@@ -111,6 +118,9 @@ def export_drafter(drafter: str | os.PathLike, fmt: str, out: str | os.PathLike,
                 shutil.copytree(src / adapter, tmp / adapter)
                 write_json(tmp / CONFIG_NAME, cfg)
         elif kind == DRAFT_MODEL_TYPE:
+            if fmt == TRTLLM_LAYOUT:
+                raise DraftTrainError("format=trtllm: a draft model needs no TensorRT-LLM layout (its draft-target "
+                                      "mode loads a plain HF directory); use format=hf")
             _export_draft_lm(src, tmp, tdtype)
         else:
             raise DraftTrainError(f"drafter={src}: unknown drafter_type {kind!r} (expected "
@@ -122,6 +132,8 @@ def serve_hint(kind_dir: Path, fmt: str) -> str:
     cfg = read_json(kind_dir / CONFIG_NAME)
     if exported_layout(cfg) == "vllm":
         return f"vllm serve {kind_dir}"
+    if exported_layout(cfg) == TRTLLM_LAYOUT:
+        return f"trtllm-serve <target> --extra_llm_api_options {kind_dir / TRTLLM_OPTIONS_NAME}"
     if exported_layout(cfg) == "sglang":
         return (f"python -m sglang.launch_server --model <target> --speculative-algorithm EAGLE3 "
                 f"--speculative-draft-model-path {kind_dir} --speculative-num-steps 5 --speculative-eagle-topk 4 "
