@@ -122,11 +122,7 @@ def _materialize(ckpt: Path, out: Path) -> None:
     meta = read_checkpoint_meta(ckpt)
     if not isinstance(meta.get("config"), dict):
         raise DraftTrainError(f"{ckpt / STATE}: no recorded job config (a checkpoint from an older drafttrain?)")
-    from .config import RENAMED_METHODS
-
-    config = dict(meta["config"])
-    config["method"] = RENAMED_METHODS.get(config.get("method"), config.get("method"))  # an older release's name
-    job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainJob), config))
+    job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainJob), meta["config"]))
     print(f"[drafttrain] {ckpt} is a training checkpoint (step {meta.get('step')}): rebuilding its "
           f"{job.method} drafter into {out}", flush=True)
     model, tokenizer, path = load_target(job.target, device="cpu")

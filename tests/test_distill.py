@@ -322,3 +322,20 @@ def test_a_draft_model_saved_under_the_old_drafter_type_still_loads(tmp_path):
     with torch.no_grad():
         ref = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "new")(input_ids=ids).logits
         torch.testing.assert_close(old(input_ids=ids).logits, ref, rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_the_old_method_name_resumes_as_draft_model(tmp_path):
+    """Checkpoints written when the family was called ``distill`` read as ``draft_model`` (method and recorded
+    config), so train.resume and `drafttrain eval drafter=<step_N>` accept them; another method is refused."""
+    from drafttrain.training import checkpoint
+
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(m.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    checkpoint.save_checkpoint(tmp_path / "c", m, opt, sched, 1,
+                               {"method": "distill", "target": "t", "config": {"method": "distill"}})
+    meta = checkpoint.read_checkpoint_meta(tmp_path / "c")
+    assert meta["method"] == "draft_model" and meta["config"]["method"] == "draft_model"
+    checkpoint.check_compatible(meta, {"method": "draft_model", "target": "t"}, tmp_path / "c")
+    with pytest.raises(DraftTrainError, match="method="):
+        checkpoint.check_compatible(meta, {"method": "eagle3", "target": "t"}, tmp_path / "c")

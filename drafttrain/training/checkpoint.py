@@ -225,7 +225,16 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
 
 
 def read_checkpoint_meta(path: Path) -> dict:
-    return read_json(Path(path) / STATE)
+    """A checkpoint's recorded state; a method under an older release's name (config.RENAMED_METHODS) is read
+    as today's, in ``method`` and in the recorded job config, so such checkpoints resume and evaluate."""
+    from ..config import RENAMED_METHODS
+
+    meta = read_json(Path(path) / STATE)
+    if meta.get("method") in RENAMED_METHODS:
+        meta["method"] = RENAMED_METHODS[meta["method"]]
+    if isinstance(meta.get("config"), dict) and meta["config"].get("method") in RENAMED_METHODS:
+        meta["config"] = {**meta["config"], "method": RENAMED_METHODS[meta["config"]["method"]]}
+    return meta
 
 
 def check_compatible(meta: dict, expected: dict, path: Path) -> None:
