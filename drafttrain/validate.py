@@ -115,6 +115,8 @@ def _check_rules(job: str, cfg: DictConfig) -> None:
         _check_decode(cfg.decode, job)
     if job == "bench":
         _ascending(cfg.buckets, "buckets")
+    if job == "eval" and cfg.eval.set:
+        _check_eval_set(cfg)
     if job == "tune":
         _ascending(cfg.tree_sizes, "tree_sizes")
 
@@ -139,6 +141,19 @@ def _check_train(t: DictConfig) -> None:
                               f"({t.micro_batch_size}){procs}")
     if len(t.betas) != 2:
         raise DraftTrainError(f"train.betas={_fmt(t.betas)}: expected two numbers (beta1, beta2)")
+
+
+def _check_eval_set(cfg: DictConfig) -> None:
+    from .data.questions import HUMANEVAL
+
+    if cfg.decode.num_prompts:
+        raise DraftTrainError(f"decode.num_prompts={cfg.decode.num_prompts} with eval.set: select questions with "
+                              "eval.per_category / eval.categories / eval.max_turns instead")
+    spec = str(cfg.eval.set)
+    p = Path(os.path.expanduser(spec))
+    if spec.strip().lower() != HUMANEVAL and not (p.is_file() or (p / "question.jsonl").is_file()):
+        raise DraftTrainError(f"eval.set={spec}: no such question file (expected {HUMANEVAL}, a question.jsonl in the "
+                              "Spec-Bench / EAGLE format, or the folder holding one)")
 
 
 def _check_distill(d: DictConfig) -> None:
