@@ -42,10 +42,12 @@ import torch
 from ..io import DraftTrainError, read_json, write_json
 from .chat import Conversation, prompt_ids, read_conversations
 
-__all__ = ["regenerate_conversations", "regenerate_file", "regenerate_to_jsonl", "eos_token_ids", "describe_stats"]
+__all__ = ["regenerate_conversations", "regenerate_file", "regenerate_to_jsonl", "eos_token_ids", "describe_stats",
+           "resumable_output", "read_input", "new_stats"]
 
 META_SUFFIX = ".meta.json"
-_CHECKED_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "model", "drop_truncated")
+# a resumed run must match these (a meta file without "backend" was written by the HF path, before it was recorded)
+_CHECKED_SETTINGS = ("backend", "max_new_tokens", "temperature", "top_p", "seed", "model", "drop_truncated")
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -231,20 +233,25 @@ def _take_answers(gen: _Generation, state: dict, asked: list[int], answers, todo
             _stop(s, "the target's answer is empty")
 
 
+def new_state(conv: Conversation) -> dict:
+    """A conversation's regeneration state: its messages so far, the input turns still to come (``pending``)."""
+    return {"messages": [], "dropped": None, "pending": list(conv.messages), "truncated": 0, "cut": None}
+
+
+def next_turn(s: dict) -> bool:
+    """Move the input turns before the next assistant turn into ``s["messages"]``; True if one is to be asked."""
+    while s["pending"] and s["pending"][0]["role"] != "assistant":
+        s["messages"].append(dict(s["pending"].pop(0)))
+    return bool(s["pending"])
+
+
 def _regenerate_chunk(gen: _Generation, convs: list[Conversation], chunk: list[int], todo: set[int],
                       stats: dict) -> dict:
     """Regenerate the conversations ``chunk``, turn r of all of them in one batch (r = 0, 1, ...); their states.
     The whole chunk is generated even if part of it is done: same batches as an uninterrupted run."""
-    state = {i: {"messages": [], "dropped": None, "pending": list(convs[i].messages), "truncated": 0,
-                 "cut": None} for i in chunk}
+    state = {i: new_state(convs[i]) for i in chunk}
     while True:
-        ask = []
-        for i in chunk:
-            s = state[i]
-            while s["pending"] and s["pending"][0]["role"] != "assistant":
-                s["messages"].append(dict(s["pending"].pop(0)))
-            if s["pending"]:
-                ask.append(i)
+        ask = [i for i in chunk if next_turn(state[i])]
         if not ask:
             return state
         prompts, asked = _turn_prompts(gen, state, ask)
@@ -269,6 +276,13 @@ def _chunk_rows(convs: list[Conversation], chunk: list[int], state: dict, todo: 
     return out
 
 
+def new_stats(max_new_tokens: int, drop_truncated: bool) -> dict[str, Any]:
+    """The counters of a regenerate run (see :func:`regenerate_conversations`), all zero."""
+    return {"rows": 0, "dropped": 0, "turns": 0, "truncated_turns": 0, "truncated_rows": 0, "truncated_dropped": 0,
+            "truncated_cut": 0, "new_tokens": 0, "max_new_tokens": int(max_new_tokens),
+            "drop_truncated": bool(drop_truncated)}
+
+
 def regenerate_conversations(
     model, tokenizer, convs: Sequence[Conversation | Sequence[dict]], batch_size: int = 16, max_new_tokens: int = 256,
     temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, progress: bool = True,
@@ -288,9 +302,7 @@ def regenerate_conversations(
     _validate_settings(batch_size, max_new_tokens, temperature, top_p)
     convs = _as_conversations(convs)
     todo = {i for i in range(len(convs)) if not (skip is not None and skip(i))}
-    stats: dict[str, Any] = {"rows": 0, "dropped": 0, "turns": 0, "truncated_turns": 0, "truncated_rows": 0,
-                             "truncated_dropped": 0, "truncated_cut": 0, "new_tokens": 0,
-                             "max_new_tokens": int(max_new_tokens), "drop_truncated": bool(drop_truncated)}
+    stats = new_stats(max_new_tokens, drop_truncated)
     if not todo:
         stats["seconds"] = 0.0
         return [], stats
@@ -416,6 +428,7 @@ def _recover_output(out_path: Path) -> list[str]:
 def _settings(model, max_new_tokens, temperature, top_p, seed, batch_size, drop_truncated=False) -> dict:
     cfg = getattr(model, "config", None)
     return {
+        "backend": "hf",
         "model": None if model is None else str(getattr(cfg, "_name_or_path", "") or getattr(model, "name_or_path", "")),
         "max_new_tokens": int(max_new_tokens),
         "temperature": float(temperature),
@@ -430,6 +443,8 @@ def _check_meta(meta_path: Path, settings: dict, has_rows: bool) -> None:
     if not meta_path.exists():
         return
     old = read_json(meta_path)
+    if isinstance(old, dict):
+        old = {"backend": "hf", **old}
     diffs = [
         f"{k}: {old.get(k)!r} -> {settings[k]!r}"
         for k in _CHECKED_SETTINGS
@@ -482,6 +497,41 @@ def _done_rows(out_path: Path, index: dict[str, int]) -> set[int]:
     return {index[k] for k, _ in done_keys}
 
 
+@contextlib.contextmanager
+def resumable_output(out_path: str | os.PathLike, convs: Sequence[Conversation], settings: dict,
+                     wait_for_lock: bool = False, can_generate: bool = True):
+    """The append-only output of a regenerate run, shared by every backend: locks ``out_path``, drops a torn last
+    line, finds the rows already there (by id; a row of another dataset is an error), refuses a resume whose
+    ``settings`` differ from the recorded ones (``<out>.meta.json``) and records them when rows remain. Yields
+    ``(done, write)``: the indices of ``convs`` already written and ``write(row)``, which appends one row and
+    flushes it (rows are written in the order ``write`` is called)."""
+    out_path = Path(out_path)
+    convs = _as_conversations(convs)
+    index = _index_by_id(convs)
+    meta_path = out_path.with_name(out_path.name + META_SUFFIX)
+    with _exclusive(out_path, wait_for_lock):
+        done = _done_rows(out_path, index)
+        _check_meta(meta_path, settings, bool(done))
+        if len(done) < len(convs):
+            if not can_generate:
+                raise DraftTrainError(
+                    f"{out_path}: {len(convs) - len(done)} of {len(convs)} rows still need regenerating, but no "
+                    "target model was given"
+                )
+            write_json(meta_path, settings)
+        with open(out_path, "a", encoding="utf-8") as f:
+
+            def write(row: dict) -> None:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.flush()
+
+            try:
+                yield done, write
+            finally:
+                f.flush()
+                os.fsync(f.fileno())
+
+
 def regenerate_to_jsonl(
     model,
     tokenizer,
@@ -499,36 +549,27 @@ def regenerate_to_jsonl(
     """Regenerate ``convs`` into ``out_path`` (append-only, resumable). Stats as regenerate_conversations plus
     ``already_done`` (rows found in the output) and ``total``."""
     _validate_settings(batch_size, max_new_tokens, temperature, top_p)
-    out_path = Path(out_path)
     convs = _as_conversations(convs)
-    index = _index_by_id(convs)
     settings = _settings(model, max_new_tokens, temperature, top_p, seed, batch_size, drop_truncated)
-    meta_path = out_path.with_name(out_path.name + META_SUFFIX)
-    with _exclusive(out_path, wait_for_lock):
-        done = _done_rows(out_path, index)
-        _check_meta(meta_path, settings, bool(done))
-        if len(done) < len(convs):
-            if model is None:
-                raise DraftTrainError(
-                    f"{out_path}: {len(convs) - len(done)} of {len(convs)} rows still need regenerating, but no "
-                    "target model was given"
-                )
-            write_json(meta_path, settings)
-        with open(out_path, "a", encoding="utf-8") as f:
-
-            def on_row(i: int, row: dict) -> None:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                f.flush()
-
-            _, stats = regenerate_conversations(
-                model, tokenizer, convs, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                temperature=temperature, top_p=top_p, seed=seed, progress=progress, skip=done.__contains__,
-                on_row=on_row, drop_truncated=drop_truncated,
-            )
-            os.fsync(f.fileno())
+    with resumable_output(out_path, convs, settings, wait_for_lock, can_generate=model is not None) as (done, write):
+        _, stats = regenerate_conversations(
+            model, tokenizer, convs, batch_size=batch_size, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, seed=seed, progress=progress, skip=done.__contains__,
+            on_row=lambda i, row: write(row), drop_truncated=drop_truncated,
+        )
     stats["already_done"] = len(done)
     stats["total"] = len(convs)
     return stats
+
+
+def read_input(in_path: str | os.PathLike, out_path: str | os.PathLike, skip_invalid: bool = False):
+    """The conversations of ``in_path`` (``read_conversations``); an output path that is the input is an error."""
+    in_path, out_path = Path(in_path), Path(out_path)
+    if out_path.resolve() == in_path.resolve() or (
+        out_path.exists() and in_path.exists() and os.path.samefile(in_path, out_path)
+    ):
+        raise DraftTrainError(f"{out_path}: output is the input file; refusing to overwrite the input")
+    return read_conversations(in_path, skip_invalid=skip_invalid)
 
 
 def regenerate_file(
@@ -551,12 +592,7 @@ def regenerate_file(
     skipped; a torn last line is removed first. ``in_path`` is only read. ``drop_truncated``: end each
     conversation before its first turn that stopped at ``max_new_tokens`` (see the module docstring).
     """
-    in_path, out_path = Path(in_path), Path(out_path)
-    if out_path.resolve() == in_path.resolve() or (
-        out_path.exists() and in_path.exists() and os.path.samefile(in_path, out_path)
-    ):
-        raise DraftTrainError(f"{out_path}: output is the input file; refusing to overwrite the input")
-    convs = read_conversations(in_path, skip_invalid=skip_invalid)
+    convs = read_input(in_path, out_path, skip_invalid)
     stats = regenerate_to_jsonl(
         model,
         tokenizer,
