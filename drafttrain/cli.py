@@ -4,7 +4,8 @@ Commands:
   train         train a drafter (same as ``accelerate launch train.py ...``)
   eval          evaluate a saved drafter (``drafter=runs/<run>/final``) or ar/pld in the speculative decoder
   build-target  build (or find in the cache) the built-in target and print its path
-  regenerate    rewrite assistant turns of a JSONL file with the target's own outputs (resumable)
+  regenerate    rewrite assistant turns of a JSONL file with the target's own outputs (resumable; here with HF
+                generate, or ``backend=openai base_url=… model=…`` through a vLLM / SGLang / transformers server)
   capture       store the target's hidden states for offline training (``capture.path=DIR``; resumable,
                 multi-process under ``accelerate launch -m drafttrain.cli capture``)
   export        write a drafter for vLLM / SGLang / TensorRT-LLM / HF (``drafter=… format=vllm|sglang|trtllm|hf out=…``)
@@ -254,14 +255,25 @@ def _build_target_task(cfg):
 
 def _regenerate_task(cfg):
     from .data.regenerate import describe_stats, regenerate_file
-    from .targets.load import load_target
 
     job = typed_job(cfg)
-    model, tokenizer, _ = load_target(job.target)
-    stats = regenerate_file(
-        model, tokenizer, job.input, job.output, batch_size=job.batch_size, max_new_tokens=job.max_new_tokens,
-        temperature=job.temperature, top_p=job.top_p, seed=job.seed, drop_truncated=job.drop_truncated,
-    )
+    if job.backend == "openai":
+        from .data.regenerate_openai import ServerSettings, regenerate_file_with_server
+
+        server = ServerSettings(
+            base_url=job.base_url, model=job.model, max_new_tokens=job.max_new_tokens, temperature=job.temperature,
+            top_p=job.top_p, seed=job.seed, drop_truncated=job.drop_truncated, concurrency=job.concurrency,
+            retries=job.retries, retry_backoff=job.retry_backoff, timeout=job.request_timeout,
+        )
+        stats = regenerate_file_with_server(server, job.input, job.output)
+    else:
+        from .targets.load import load_target
+
+        model, tokenizer, _ = load_target(job.target)
+        stats = regenerate_file(
+            model, tokenizer, job.input, job.output, batch_size=job.batch_size, max_new_tokens=job.max_new_tokens,
+            temperature=job.temperature, top_p=job.top_p, seed=job.seed, drop_truncated=job.drop_truncated,
+        )
     print(f"[drafttrain] {describe_stats(stats)} -> {job.output}", flush=True)
 
 

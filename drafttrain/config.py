@@ -470,10 +470,21 @@ class BuildTargetJob:
 
 @dataclass
 class RegenerateJob:
+    # hf: generate here with target.* (batch_size rows per batch); openai: send each turn to an OpenAI-compatible
+    # server (vLLM, SGLang, transformers serve) at base_url, as model, concurrency requests in flight
+    backend: str = one_of("hf", "hf", "openai")
     target: TargetConfig = field(default_factory=TargetConfig)
     input: str = MISSING
     output: str = MISSING
     batch_size: int = num(16, ge=1)
+    # backend=openai: the server's API root (requests go to {base_url}/chat/completions)
+    base_url: Optional[str] = matching(None, r"https?://\S+",
+                                       "an http:// or https:// URL, e.g. http://127.0.0.1:8000/v1")
+    model: Optional[str] = None  # backend=openai: the served model name (the requests' `model` field)
+    concurrency: int = num(16, ge=1)  # backend=openai: requests in flight (one per conversation)
+    retries: int = num(5, ge=0)  # backend=openai: retries after a connection error, timeout or HTTP 5xx
+    retry_backoff: float = num(1.0, ge=0)  # seconds before the first retry, doubled each time (at most 60)
+    request_timeout: float = num(600.0, gt=0)  # backend=openai: seconds one request may take
     max_new_tokens: int = num(256, ge=1)
     temperature: float = num(0.0, ge=0)
     top_p: float = num(1.0, gt=0, le=1)

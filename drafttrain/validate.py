@@ -119,6 +119,20 @@ def _check_rules(job: str, cfg: DictConfig) -> None:
         _check_eval_set(cfg)
     if job == "tune":
         _ascending(cfg.tree_sizes, "tree_sizes")
+    if job == "regenerate":
+        _check_regenerate(cfg)
+
+
+def _check_regenerate(cfg: DictConfig) -> None:
+    if cfg.backend == "openai":
+        for key, example in (("base_url", "http://127.0.0.1:8000/v1"), ("model", "<the served model name>")):
+            if not _get(cfg, key):
+                raise DraftTrainError(f"{key} is required with backend=openai (e.g. {key}={example})")
+        return
+    for key in ("base_url", "model"):
+        if _get(cfg, key) is not None:
+            raise DraftTrainError(f"{key}={_get(cfg, key)}: only used with backend=openai (the server); add "
+                                  "backend=openai, or drop it to generate with target=... here")
 
 
 def _check_builtin(b: DictConfig) -> None:

@@ -28,7 +28,7 @@ FREE_STRINGS = {
     "DistillConfig.loss", "TrainConfig.resume", "DecodeConfig.draft_model", "DecodeConfig.grammar",
     "LoggerConfig.project", "LoggerConfig.run_name", "CaptureConfig.path", "ExportJob.drafter", "ExportJob.out",
     "ExportJob.verifier", "EvalJob.drafter", "BenchJob.drafter", "BenchJob.draft_model", "TuneJob.drafter",
-    "RegenerateJob.input", "RegenerateJob.output",
+    "RegenerateJob.input", "RegenerateJob.output", "RegenerateJob.model",
 }
 
 
