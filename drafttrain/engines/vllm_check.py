@@ -1,0 +1,162 @@
+"""vLLM against drafttrain on the same prompt ids: export, serve with vLLM's offline ``LLM`` (in the engine venv,
+through ``vllm_driver.py``), decode with drafttrain's own decoder, compare per prompt.
+
+Per prompt (greedy): vLLM's output equals drafttrain's AR output token for token; vLLM's drafts (verify steps)
+equal drafttrain's rounds and its accepted drafts equal drafttrain's, except that vLLM always proposes K tokens
+and counts accepted drafts before cutting at ``max_tokens``, so on a prompt that ends by length its accepted
+count may exceed ours (we draft only the remaining budget): that excess is allowed there and reported.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ..io import DraftTrainError
+
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+STAMP = ".drafttrain-stamp"
+SPEC_METHOD = {"eagle3": "eagle3", "medusa": "medusa", "medusa2": "medusa", "draft_model": None}
+
+
+def engine_venv() -> Path:
+    """Where scripts/make_engine_venv.sh builds the engine venv (``DRAFTTRAIN_ENGINE_VENV`` overrides)."""
+    return Path(os.environ.get("DRAFTTRAIN_ENGINE_VENV") or Path.home() / ".cache" / "drafttrain" / "engine-venv")
+
+
+def engine_python() -> Path | None:
+    """The engine venv's python, None when the venv is absent or unfinished (no stamp)."""
+    d = engine_venv()
+    py = d / "bin" / "python"
+    return py if (d / STAMP).is_file() and py.exists() else None
+
+
+def run_driver(spec: dict, timeout: float = 1200) -> dict:
+    """Run ``vllm_driver.py`` on ``spec`` in the engine venv; its JSON result."""
+    py = engine_python()
+    if py is None:
+        raise DraftTrainError(f"no engine venv at {engine_venv()} (build it: scripts/make_engine_venv.sh)")
+    with tempfile.TemporaryDirectory(prefix="drafttrain-vllm-") as d:
+        sp, out = Path(d) / "spec.json", Path(d) / "out.json"
+        sp.write_text(json.dumps(spec))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+        env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1",
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        try:
+            r = subprocess.run([str(py), str(DRIVER), str(sp), str(out)], capture_output=True, text=True,
+                               timeout=timeout, env=env, cwd=d)
+        except subprocess.TimeoutExpired:
+            raise DraftTrainError(f"vLLM did not finish within {timeout:.0f} s (target {spec['target']})") from None
+        if r.returncode != 0 or not out.exists():
+            tail = [ln for ln in r.stderr.strip().splitlines() if ln.strip()][-1:] or ["(no stderr)"]
+            raise DraftTrainError(f"vLLM failed on target {spec['target']} with speculative_config "
+                                  f"{spec.get('speculative_config')}: {tail[0]}\n{r.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+def speculative_config(kind: str, export_dir: str, K: int) -> dict:
+    """vLLM's ``speculative_config`` for an exported drafter of ``kind`` (a drafttrain drafter_type)."""
+    cfg = {"model": str(export_dir), "num_speculative_tokens": int(K)}
+    if SPEC_METHOD[kind]:
+        cfg["method"] = SPEC_METHOD[kind]
+    return cfg
+
+
+def ours(model, tokenizer, drafter, method: str, prompts: list[list[int]], K: int, max_new_tokens: int,
+         temperature: float = 0.0, seed: int = 0) -> list[dict]:
+    """drafttrain's decode of ``prompts``: per prompt the AR tokens and the speculative decoder's tokens, rounds,
+    drafted and accepted counts (per position too)."""
+    from ..config import DecodeConfig
+    from ..decoding.build import decode_cache_length, make_proposer, target_taps
+    from ..eval import prepare
+
+    decode = DecodeConfig(method=method, num_draft_tokens=K, max_new_tokens=max_new_tokens, temperature=temperature,
+                          seed=seed, warmup=0, sweep_prompts=0, plot=False)
+    proposer = make_proposer(method, drafter, decode, max_len=decode_cache_length(prompts, decode))
+    run = prepare(model, tokenizer, prompts, proposer, decode, method=method,
+                  taps=target_taps(method, drafter, model))
+    rows = []
+    for i, p in enumerate(prompts):
+        ar = run.run_ar(i, p)
+        sp = run.run_spec(run.spec, i, p, ar.tokens)
+        rows.append({"ar": ar.tokens, "spec": sp.tokens, "rounds": sp.num_rounds, "drafted": sp.num_drafted,
+                     "accepted": sp.num_accepted, "accepted_per_pos": list(sp.accepted_per_position)})
+    return rows
+
+
+def compare(mine: list[dict], theirs: list[dict], max_new_tokens: int) -> list[dict]:
+    """Per prompt (greedy): outputs equal, drafts equal, accepted equal (vLLM's excess allowed on a prompt that
+    ended by length), τ both ways."""
+    rows = []
+    for m, t in zip(mine, theirs, strict=True):
+        out = t["samples"][0]
+        by_length = t["finish_reason"][0] == "length"
+        extra = t["num_accepted_tokens"] - m["accepted"]
+        rows.append({
+            "outputs_equal": out == m["ar"] == m["spec"], "by_length": by_length,
+            "rounds": m["rounds"], "vllm_drafts": t["num_drafts"], "drafts_equal": t["num_drafts"] == m["rounds"],
+            "accepted": m["accepted"], "vllm_accepted": t["num_accepted_tokens"], "accepted_extra": extra,
+            "acceptance_equal": extra == 0 or (by_length and extra > 0),
+            "accepted_per_pos": m["accepted_per_pos"], "vllm_accepted_per_pos": t["accepted_per_pos"],
+            "tau": 1 + m["accepted"] / m["rounds"] if m["rounds"] else None,
+            "vllm_tau": 1 + t["num_accepted_tokens"] / t["num_drafts"] if t["num_drafts"] else None,
+        })
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """One line of the check table: every prompt's outputs / drafts / acceptance equal, pooled τ both ways."""
+    r = sum(x["rounds"] for x in rows)
+    v = sum(x["vllm_drafts"] for x in rows)
+    return {"outputs_equal": all(x["outputs_equal"] for x in rows),
+            "acceptance_equal": all(x["drafts_equal"] and x["acceptance_equal"] for x in rows),
+            "tau": 1 + sum(x["accepted"] for x in rows) / r if r else None,
+            "vllm_tau": 1 + sum(x["vllm_accepted"] for x in rows) / v if v else None,
+            "length_extra": sum(x["accepted_extra"] for x in rows if x["by_length"])}
+
+
+def load_pair(drafter: str | os.PathLike, target: str):
+    """drafttrain's side of a check: ``(model, tokenizer, drafter module, decode method, kind)`` for the saved
+    drafter (or EAGLE-3 export) at ``drafter`` on ``target`` (Medusa-2: the target with its adapter merged)."""
+    import torch
+
+    from ..artifacts import drafter_type, load_drafter, load_medusa
+    from ..config import TargetConfig
+    from ..targets.load import load_target
+
+    model, tok, _ = load_target(TargetConfig(name_or_path=str(target), dtype="float32"))
+    kind = drafter_type(drafter) or "eagle3"  # None: an EAGLE-3 export
+    if kind in ("medusa", "medusa2"):
+        model, d, _ = load_medusa(drafter, model, torch.device("cpu"))
+    else:
+        d = load_drafter(str(drafter), "cpu", target_model=model)
+    return model, tok, d.float().eval(), {"medusa2": "medusa"}.get(kind, kind), kind
+
+
+def serving_spec(drafter: str | os.PathLike, target: str, work: str | os.PathLike, K: int, *, model=None,
+                 tokenizer=None, dtype: str = "float32") -> dict:
+    """Export ``drafter`` for vLLM under ``work`` (``format=hf`` for a draft model, else ``format=vllm``; an
+    EAGLE-3 export is served as it is) and return the driver's run settings (``target``, ``speculative_config``).
+    Medusa-2: vLLM serves the target with the adapter merged (``model``, already merged, saved under ``work``)."""
+    from ..artifacts import drafter_type
+    from ..export import export_drafter
+
+    work = Path(work)
+    kind = drafter_type(drafter)
+    if kind is None:
+        return {"target": str(target), "speculative_config": speculative_config("eagle3", drafter, K)}
+    fmt = "hf" if kind == "draft_model" else "vllm"
+    out = export_drafter(drafter, fmt, work / f"export-{fmt}-{dtype}", dtype=dtype, num_speculative_tokens=K,
+                         overwrite=True)
+    served, spec_dir = str(target), out
+    if kind == "medusa2":
+        from ..artifacts import HEADS_DIR, HEADS_KEY
+        from ..io import read_json
+
+        spec_dir = out / read_json(out / "config.json").get(HEADS_KEY, HEADS_DIR)
+        served = str(work / "target-medusa2-merged")
+        model.save_pretrained(served, safe_serialization=True)
+        tokenizer.save_pretrained(served)
+    return {"target": served, "speculative_config": speculative_config(kind, spec_dir, K)}
