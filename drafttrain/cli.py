@@ -13,7 +13,8 @@ Commands:
   tune          pick decode.num_draft_tokens or decode.tree.total_tokens from measured acceptance and costs
 
 Shorthands: ``target=<dir or hub name>`` (not a drafttrain/conf/target option) means ``target=hf
-target.name_or_path=<it>``; ``data=<file>.jsonl`` means ``data=jsonl data.path=<file>``.
+target.name_or_path=<it>``; ``data=<file>.jsonl`` means ``data=jsonl data.path=<file>``; ``data=<file>.parquet``,
+``.arrow`` or ``data=<directory>`` means ``data=file data.path=<it>``; ``data=<org>/<name>`` means ``data=hub``.
 Errors caused by input or state print one line (``error: ...``) and exit with status 2.
 """
 from __future__ import annotations
@@ -41,9 +42,23 @@ def expand_shorthands(overrides: list[str]) -> list[str]:
             out += ["target=hf", f"target.name_or_path={value}"]
         elif eq and key == "data" and value.endswith((".jsonl", ".json")):
             out += ["data=jsonl", f"data.path={value}"]
+        elif eq and key == "data" and value and value not in _group_options("data"):
+            out += _data_shorthand(arg, value)
         else:
             out.append(arg)
     return out
+
+
+def _data_shorthand(arg: str, value: str) -> list[str]:
+    """``data=<file>.parquet|.arrow`` or ``data=<directory>``: data=file; ``data=<org>/<name>`` (not a local
+    path): data=hub; anything else is left to Hydra (an unknown data option)."""
+    import os
+
+    if value.endswith((".parquet", ".arrow")) or os.path.isdir(os.path.expanduser(value)):
+        return ["data=file", f"data.path={value}"]
+    if value.count("/") == 1 and not value.startswith((".", "/", "~")) and not os.path.exists(value):
+        return ["data=hub", f"data.path={value}"]
+    return [arg]
 
 
 def known_failure(exc: BaseException) -> str | None:

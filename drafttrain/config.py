@@ -72,6 +72,8 @@ TARGET_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 STORAGE_DTYPES = ("bfloat16", "float16", "float32")
 EAGLE3_LOSSES = ("ce", "tv", "lk_hybrid")  # drafttrain.losses.EAGLE3_LOSSES (a test keeps them equal)
 BUILTIN_KINDS = ("code", "docs")  # drafttrain.targets.builtin: the built-in targets
+# data.format: the row shapes of training data (drafttrain.data.chat.FORMATS; auto = detected from the columns)
+DATA_FORMATS = ("auto", "sharegpt", "ultrachat", "magpie", "openai")
 TRAIN_METHODS = ("eagle3", "medusa", "medusa2", "draft_model")
 # names older releases used (saved checkpoints carry them; loading maps them, the command line refuses them)
 RENAMED_METHODS = {"distill": "draft_model"}
@@ -131,12 +133,19 @@ class TargetConfig:
 
 @dataclass
 class DataConfig:
-    # builtin | jsonl | structured (evaluation only: prompts that each carry a JSON schema; the built-in
+    # builtin | jsonl | hub (a dataset name + split, datasets.load_dataset) | file (local parquet / arrow / JSON(L)
+    # file or a directory of them) | structured (evaluation only: prompts that each carry a JSON schema; the built-in
     # function-call set from stdlib signatures, or data.path / data.eval_path = JSONL rows {"messages", "schema"})
-    source: str = one_of("builtin", "builtin", "jsonl", "structured")
+    source: str = one_of("builtin", "builtin", "jsonl", "hub", "file", "structured")
     # builtin: which corpus's chats; auto = the built-in target's own (docs for target=builtin-docs), else code
     corpus: str = one_of("auto", "auto", *BUILTIN_KINDS)
-    path: Optional[str] = None  # jsonl: training conversations (ShareGPT or OpenAI shape)
+    path: Optional[str] = None  # jsonl: training conversations (ShareGPT or OpenAI shape); hub: a dataset name
+    # the rows' shape: sharegpt (conversations: from/value), ultrachat / openai (messages: role/content), magpie
+    # (instruction + response, or conversations); auto = by the columns (a dataset) or each row's keys (jsonl)
+    format: str = one_of("auto", *DATA_FORMATS)
+    split: str = "train"  # hub / file: the split of data.path (slices work: train_sft[:2000])
+    subset: Optional[str] = None  # hub: the dataset's configuration (load_dataset's name)
+    eval_split: Optional[str] = None  # hub / file: evaluation rows from this split (of data.eval_path, else data.path)
     # jsonl: evaluation prompts (default: the last num_eval rows of path); the final assistant turn of a prompt
     # row may be empty or missing
     eval_path: Optional[str] = None

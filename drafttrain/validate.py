@@ -105,8 +105,13 @@ def _check_rules(job: str, cfg: DictConfig) -> None:
         from .training.method import refuse_offline
 
         refuse_offline(cfg)
-    if "data" in cfg and job in ("train", "capture") and cfg.data.source == "jsonl" and not cfg.data.path:
-        raise DraftTrainError("data.path is required with data=jsonl (the training conversations)")
+    if "data" in cfg and job in ("train", "capture") and cfg.data.source in ("jsonl", "hub", "file") and \
+            not cfg.data.path:
+        raise DraftTrainError(f"data.path is required with data={cfg.data.source} (the training conversations)")
+    if "data" in cfg and cfg.data.source not in ("hub", "file"):
+        for key in ("subset", "eval_split"):
+            if _get(cfg, f"data.{key}") is not None:
+                raise DraftTrainError(f"data.{key}={_get(cfg, f'data.{key}')}: only read with data=hub or data=file")
     if "data" in cfg and cfg.data.num_eval == 0 and (cfg.data.source == "builtin" or (
             cfg.data.source == "structured" and not (cfg.data.path or cfg.data.eval_path))):
         raise DraftTrainError(f"data.num_eval=0 (every row of a prompt file) needs a file; the built-in "
@@ -236,6 +241,8 @@ def _missing(value: str, kind: str) -> str | None:
         return None if p.is_file() else "not a file" if p.exists() else "no such file"
     if kind == "model" and not looks_local(value):
         return None  # a hub name: the loader resolves it (the local HF cache when offline)
+    if kind in ("path", "dataset"):  # a file or a directory (dataset: or a hub name)
+        return None if p.exists() or (kind == "dataset" and not looks_local(value)) else "no such file or directory"
     return None if p.is_dir() else "not a directory" if p.exists() else "no such directory"
 
 
@@ -247,6 +254,9 @@ def _path_settings(job: str, cfg: DictConfig) -> list[tuple[str, str]]:
         out.append(("drafter", "dir"))
     if "data" in cfg and cfg.data.source in ("jsonl", "structured"):
         out += [("data.path", "file"), ("data.eval_path", "file")]
+    if "data" in cfg and cfg.data.source in ("hub", "file"):
+        kind = "dataset" if cfg.data.source == "hub" else "path"
+        out += [("data.path", kind), ("data.eval_path", kind)]
     if "decode" in cfg and cfg.decode.method == "draft_model":
         out.append(("decode.draft_model", "model"))
     if job == "bench" and cfg.draft_model != "builtin-small" and "draft_model" in cfg.methods:

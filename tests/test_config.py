@@ -20,7 +20,8 @@ PRIMARY = {"train": C.TrainJob, "eval": C.EvalJob, "build_target": C.BuildTarget
            "export": C.ExportJob}
 REQUIRED = {"regenerate": ["input=a.jsonl", "output=b.jsonl"], "capture": ["capture.path=feats"],
             "export": ["drafter=runs/r/final", "format=vllm", "out=exported"]}
-GROUP_REQUIRED = {("target", "hf"): ["target.name_or_path=some/dir"], ("data", "jsonl"): ["data.path=x.jsonl"]}
+GROUP_REQUIRED = {("target", "hf"): ["target.name_or_path=some/dir"], ("data", "jsonl"): ["data.path=x.jsonl"],
+                  ("data", "hub"): ["data.path=org/chats"], ("data", "file"): ["data.path=chats.parquet"]}
 
 
 def _compose(name, overrides):

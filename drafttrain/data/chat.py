@@ -5,6 +5,12 @@ Input rows (one JSON object per line) come in two shapes, both normalised to Ope
 
 - ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|"system"|..., "value": "..."}]}``
 - OpenAI:   ``{"messages": [{"role": "...", "content": "..."}]}``
+- Magpie:   ``{"instruction": "...", "response": "..."}`` (one user turn and its answer; Magpie rows that carry
+  ``conversations`` are ShareGPT-shaped)
+
+``data.format`` names the shape (``FORMATS``; :func:`preset_row` maps each to the first two, which
+:func:`parse_row` validates, the one parser): ``auto`` reads each row by its keys (a dataset: by its columns,
+:func:`detect_format`), ``ultrachat`` is OpenAI ``messages`` with the id in ``prompt_id``.
 
 An optional ``id`` (string or integer) is kept. Rows carrying a ``"dropped"`` key (written by
 ``drafttrain regenerate`` when the target could not answer a row) are skipped and counted, never an error.
@@ -29,6 +35,7 @@ from typing import Any, Iterable, Iterator, Sequence, Union
 
 import torch
 
+from ..config import DATA_FORMATS
 from ..io import DraftTrainError
 
 __all__ = [
@@ -36,6 +43,9 @@ __all__ = [
     "Conversations",
     "read_conversations",
     "parse_row",
+    "FORMATS",
+    "detect_format",
+    "preset_row",
     "tokenize_conversation",
     "tokenize_conversations",
     "prompt_ids",
@@ -130,20 +140,87 @@ def _content_text(content: Any, where: str, what: str) -> str:
     return content
 
 
-def parse_row(row: Any, where: str, prompts_only: bool = False) -> tuple[list[dict[str, str]], Any]:
-    """Validate one decoded JSON row; return ``(messages, id)``. Raises DraftTrainError naming ``where``.
+# data.format: the row shapes a dataset may have. Each maps to a parse_row shape ("conversations": ShareGPT's
+# from/value turns, "messages": OpenAI's role/content); the id is read from the preset's id columns.
+FORMATS = DATA_FORMATS  # ("auto", "sharegpt", "ultrachat", "magpie", "openai"): data.format's choices
+_PRESET_IDS = {"sharegpt": ("id",), "openai": ("id",), "ultrachat": ("prompt_id", "id"), "magpie": ("uuid", "id")}
+_NEEDS = {"sharegpt": '"conversations"', "magpie": '"conversations" or "instruction" + "response"',
+          "openai": '"messages"'}
+SHAPES = ('conversations (ShareGPT / Magpie: from, value), messages (OpenAI / UltraChat: role, content), '
+          'instruction + response (Magpie)')
+
+
+def _columns_of(fmt: str, cols) -> str | None:
+    """The conversation column(s) ``fmt`` reads from ``cols`` (None: it reads none of them)."""
+    if fmt == "sharegpt":
+        return "conversations" if "conversations" in cols else None
+    if fmt in ("openai", "ultrachat"):
+        return "messages" if "messages" in cols else None
+    if "conversations" in cols:  # magpie: its conversations (every turn), else the single-turn columns
+        return "conversations"
+    return "instruction" if {"instruction", "response"} <= set(cols) else None
+
+
+def detect_format(columns: Sequence[str], fmt: str, where: str) -> str:
+    """The preset (not ``auto``) that reads a dataset with these columns; one line naming the columns found and
+    the shapes accepted when none does."""
+    cols = list(columns)
+    found = ", ".join(map(str, cols)) or "none"
+    if fmt == "auto":
+        if "conversations" in cols and "messages" in cols:
+            raise DraftTrainError(f'{where}: both "conversations" and "messages" columns; choose one with '
+                                  f"data.format=sharegpt|openai (columns: {found})")
+        fmt = ("magpie" if "uuid" in cols and "messages" not in cols else "sharegpt" if "conversations" in cols
+               else "ultrachat" if {"messages", "prompt_id"} <= set(cols) else "openai" if "messages" in cols
+               else "magpie")
+        if _columns_of(fmt, cols) is None:
+            raise DraftTrainError(f"{where}: no conversation columns (columns: {found}); expected one of: {SHAPES} "
+                                  f"(data.format={'|'.join(FORMATS)})")
+    elif _columns_of(fmt, cols) is None:
+        raise DraftTrainError(f"{where}: data.format={fmt} reads {_NEEDS.get(fmt, _NEEDS['openai'])}, not found "
+                              f"(columns: {found}); expected one of: {SHAPES}")
+    return fmt
+
+
+def preset_row(row: dict, fmt: str, where: str = "row") -> dict:
+    """``row`` of preset ``fmt`` as a :func:`parse_row` shape: ``{"conversations" | "messages": [...], "id"}``.
+    ``auto`` keeps rows that have ``conversations`` or ``messages`` as they are (their ``id``) and reads
+    ``instruction`` + ``response`` rows as Magpie; other rows are left for parse_row to refuse. A named preset
+    needs its columns (one line naming ``where`` and the row's keys)."""
+    if fmt == "auto":
+        if "conversations" in row or "messages" in row or not {"instruction", "response"} <= set(row):
+            return row
+        fmt = "magpie"
+    key = _columns_of(fmt, row)
+    if key is None:
+        keys = ", ".join(sorted(map(str, row))) or "none"
+        raise DraftTrainError(f"{where}: data.format={fmt} reads {_NEEDS.get(fmt, _NEEDS['openai'])}, not in the "
+                              f"row (keys: {keys})")
+    rid = next((row[k] for k in _PRESET_IDS[fmt] if row.get(k) is not None), None)
+    if key == "instruction":
+        turns = [{"role": "user", "content": row["instruction"]}, {"role": "assistant", "content": row["response"]}]
+        return {"messages": turns, "id": rid}
+    return {key: row[key], "id": rid}
+
+
+def parse_row(row: Any, where: str, prompts_only: bool = False, fmt: str = "auto"
+              ) -> tuple[list[dict[str, str]], Any]:
+    """Validate one decoded JSON row (or a dataset's row) of shape ``fmt`` (:data:`FORMATS`); return
+    ``(messages, id)``. Raises DraftTrainError naming ``where``.
 
     ``prompts_only`` (evaluation prompts): the final assistant turn may be empty or missing (the prompt is
     everything before it); an empty final assistant turn is dropped. Training rows need an answer."""
     if not isinstance(row, dict):
         raise DraftTrainError(f"{where}: row must be a JSON object, got {type(row).__name__}")
+    row = preset_row(row, fmt, where)
     has_sg, has_oa = "conversations" in row, "messages" in row
     if has_sg and has_oa:
         raise DraftTrainError(f'{where}: row has both "conversations" and "messages"; keep one')
     if not (has_sg or has_oa):
         keys = ", ".join(sorted(map(str, row))) or "none"
         raise DraftTrainError(
-            f'{where}: row has neither "conversations" (ShareGPT) nor "messages" (OpenAI) (keys: {keys})'
+            f'{where}: row has neither "conversations" (ShareGPT) nor "messages" (OpenAI) nor "instruction" + '
+            f'"response" (Magpie) (keys: {keys})'
         )
     key = "conversations" if has_sg else "messages"
     turns = row[key]
@@ -181,8 +258,8 @@ def _is_blank(content: Any) -> bool:
     return content is None or (isinstance(content, str) and not content.strip()) or content == []
 
 
-def _iter_rows(path: Path, skip_invalid: bool, skipped: list[str], prompts_only: bool = False
-               ) -> Iterator[Conversation]:
+def _iter_rows(path: Path, skip_invalid: bool, skipped: list[str], prompts_only: bool = False,
+               fmt: str = "auto") -> Iterator[Conversation]:
     """Validated conversations of a JSONL file, line by line."""
     name = str(path)
     seen_ids: dict[str, int] = {}
@@ -203,7 +280,7 @@ def _iter_rows(path: Path, skip_invalid: bool, skipped: list[str], prompts_only:
                 if isinstance(row, dict) and row.get("dropped"):
                     skipped.append(f"{where}: dropped by regenerate ({row['dropped']})")
                     continue
-                messages, rid = parse_row(row, where, prompts_only)
+                messages, rid = parse_row(row, where, prompts_only, fmt)
                 if rid is not None:
                     k = json.dumps(rid)
                     if k in seen_ids:
@@ -260,8 +337,10 @@ def _to_dataset(convs: Sequence[Conversation]):
             enable_progress_bars()
 
 
-def read_conversations(path: str | Path, skip_invalid: bool = False, prompts_only: bool = False) -> Conversations:
-    """Read and validate a JSONL file of ShareGPT- or OpenAI-shaped conversations.
+def read_conversations(path: str | Path, skip_invalid: bool = False, prompts_only: bool = False,
+                       fmt: str = "auto") -> Conversations:
+    """Read and validate a JSONL file of ShareGPT- or OpenAI-shaped conversations (``fmt``: the rows' shape,
+    :data:`FORMATS`; ``auto`` reads Magpie ``instruction`` + ``response`` rows too).
 
     Every non-blank line is validated first; the first bad one raises ``DraftTrainError`` as
     ``file:line: what is wrong``. With ``skip_invalid=True`` bad rows are skipped instead and listed (one message
@@ -275,10 +354,8 @@ def read_conversations(path: str | Path, skip_invalid: bool = False, prompts_onl
     if path.is_dir():
         raise DraftTrainError(f"{path}: is a directory, expected a .jsonl file")
     skipped: list[str] = []
-    convs = list(_iter_rows(path, skip_invalid, skipped, prompts_only))
-    if not convs:
-        why = f" ({len(skipped)} rows skipped; first: {skipped[0]})" if skipped else ""
-        raise DraftTrainError(f"{path}: no conversations{why}")
+    convs = list(_iter_rows(path, skip_invalid, skipped, prompts_only, fmt))
+    check_nonempty(convs, skipped, path)
     out = Conversations(skipped=skipped)
     for rec in _to_dataset(convs):
         out.append(
@@ -289,9 +366,21 @@ def read_conversations(path: str | Path, skip_invalid: bool = False, prompts_onl
                 path=str(path),
             )
         )
-    if skipped:
-        print(f"warning: {path}: skipped {len(skipped)} rows; first: {skipped[0]}", file=sys.stderr, flush=True)
+    warn_skipped(skipped, path)
     return out
+
+
+def check_nonempty(convs, skipped: list[str], name) -> None:
+    """One line when a source gave no conversation (and why, when rows were skipped)."""
+    if not convs:
+        why = f" ({len(skipped)} rows skipped; first: {skipped[0]})" if skipped else ""
+        raise DraftTrainError(f"{name}: no conversations{why}")
+
+
+def warn_skipped(skipped: list[str], name) -> None:
+    """The one warning line of a source whose invalid rows were skipped (data.skip_invalid)."""
+    if skipped:
+        print(f"warning: {name}: skipped {len(skipped)} rows; first: {skipped[0]}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- tokenising

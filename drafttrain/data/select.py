@@ -1,8 +1,9 @@
 """Which conversations a training job reads: ``load_training_data`` (the training rows, tokenised, and the
 held-out evaluation rows that go with them), ``describe_data`` (the log line saying so), and ``EvalSet`` (rows
 plus a note on where they came from), and for jobs that only decode, ``eval_conversations`` (the evaluation rows
-of ``data``) and ``eval_prompt_ids`` (their prompts, tokenised). Used by the training loop, eval, bench, tune,
-``drafttrain capture`` and the scripts.
+of ``data``) and ``eval_prompt_ids`` (their prompts, tokenised). Sources: data=builtin, data=jsonl (chat.py),
+data=hub / data=file (data/sources.py: datasets by name and split; parquet / arrow / JSON(L) files). Used by the
+training loop, eval, bench, tune, ``drafttrain capture`` and the scripts.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def held_out_note(n: int, total: int, path) -> str:
 def load_training_data(job, model, tokenizer, target_name: str, run_dir: Path):
     """Return (train examples, eval prompt conversations (an EvalSet: rows and where they came from), data
     stats)."""
-    from .chat import read_conversations, tokenize_conversations
+    from .chat import tokenize_conversations
 
     d = job.data
     if d.source == "builtin":
@@ -43,22 +44,62 @@ def load_training_data(job, model, tokenizer, target_name: str, run_dir: Path):
             batch_size=d.regen_batch_size, cache_dir=cache_root() / "data", seed=d.seed, corpus=corpus,
         )
         eval_convs = EvalSet(eval_convs, f"{len(eval_convs)} built-in held-out {corpus} chats")
-    elif d.source == "jsonl":
-        if not d.path:
-            raise DraftTrainError("data.path is required with data=jsonl")
-        convs = read_conversations(d.path, skip_invalid=d.skip_invalid)
-        if d.eval_path:  # train on every row; evaluate on the first num_eval rows of the other file (0: all)
-            rows = read_conversations(d.eval_path, skip_invalid=d.skip_invalid, prompts_only=True)
-            sel = rows[: d.num_eval] if d.num_eval else rows
-            train_convs, eval_convs = convs, EvalSet(sel, f"{len(sel)} of {len(rows)} rows of {d.eval_path}")
-        else:  # hold out the last num_eval rows (0: none, and no final evaluation)
-            n_eval = min(d.num_eval, max(0, len(convs) - 1))
-            train_convs = convs[: len(convs) - n_eval]
-            eval_convs = EvalSet(convs[len(convs) - n_eval:], held_out_note(n_eval, len(convs), d.path))
+    elif d.source in FILE_SOURCES:
+        train_convs, eval_convs = _file_training_rows(d)
     else:
-        raise DraftTrainError(f"data.source={d.source}: expected builtin or jsonl")
+        raise DraftTrainError(f"data.source={d.source}: expected builtin, {', '.join(FILE_SOURCES)}")
     examples, stats = tokenize_conversations(tokenizer, train_convs, d.max_length, d.overlong)
     return examples, eval_convs, stats
+
+
+# Sources read from files or datasets: jsonl (chat.read_conversations), hub and file (data/sources.py).
+FILE_SOURCES = ("jsonl", "hub", "file")
+
+
+def _read(d, path, split: str, prompts_only: bool = False):
+    """The conversations of ``path`` (and ``split``, for a dataset) as ``data`` (``d``) reads them."""
+    fmt = getattr(d, "format", "auto")
+    if d.source == "jsonl":
+        from .chat import read_conversations
+
+        return read_conversations(path, skip_invalid=d.skip_invalid, prompts_only=prompts_only, fmt=fmt)
+    from .sources import read_source
+
+    return read_source(path, split, getattr(d, "subset", None), fmt, d.skip_invalid, prompts_only,
+                       hub=d.source == "hub")
+
+
+def _label(d, path, split: str) -> str:
+    from .sources import source_label
+
+    return str(path) if d.source == "jsonl" else source_label(path, split)
+
+
+def _eval_source(d):
+    """``(path, split)`` of separate evaluation rows: ``data.eval_path`` (its ``data.eval_split``, default
+    train), or for a dataset ``data.eval_split`` of ``data.path``; None: the last rows of ``data.path``."""
+    eval_split = getattr(d, "eval_split", None)
+    if d.eval_path:
+        return d.eval_path, eval_split or "train"
+    if d.source != "jsonl" and eval_split:
+        return d.path, eval_split
+    return None
+
+
+def _file_training_rows(d):
+    """(training conversations, EvalSet) of a file or dataset source."""
+    if not d.path:
+        raise DraftTrainError(f"data.path is required with data={d.source}")
+    split = getattr(d, "split", "train")
+    convs = _read(d, d.path, split)
+    src = _eval_source(d)
+    if src:  # train on every row; evaluate on the first num_eval rows of the other source (0: all)
+        rows = _read(d, *src, prompts_only=True)
+        sel = rows[: d.num_eval] if d.num_eval else rows
+        return convs, EvalSet(sel, f"{len(sel)} of {len(rows)} rows of {_label(d, *src)}")
+    n_eval = min(d.num_eval, max(0, len(convs) - 1))  # hold out the last num_eval rows (0: none, no final eval)
+    return (convs[: len(convs) - n_eval],
+            EvalSet(convs[len(convs) - n_eval:], held_out_note(n_eval, len(convs), _label(d, d.path, split))))
 
 
 def describe_data(stats: dict, eval_convs) -> str:
@@ -88,12 +129,10 @@ def eval_prompt_ids(tokenizer, convs, limit: int) -> list[list[int]]:
 
 def eval_conversations(data_cfg, target_path: str | None = None) -> EvalSet:
     """The evaluation set of ``data``: built-in held-out chats (of the corpus ``data.corpus`` names; ``auto``:
-    the one the built-in target at ``target_path`` was trained on); a JSONL file's rows (``data.eval_path``: its
-    first ``data.num_eval``; else the last ``data.num_eval`` rows of ``data.path``, the rows training holds
-    out; ``data.num_eval=0``: every row); or structured rows. Prompt files may leave the final assistant turn
-    empty or out."""
-    from .chat import read_conversations
-
+    the one the built-in target at ``target_path`` was trained on); a JSONL file's or a dataset's rows
+    (``data.eval_path`` / ``data.eval_split``: its first ``data.num_eval``; else the last ``data.num_eval`` rows
+    of ``data.path``, the rows training holds out; ``data.num_eval=0``: every row); or structured rows. Prompt
+    files may leave the final assistant turn empty or out."""
     n = int(data_cfg.num_eval)
     if data_cfg.source == "builtin":
         from .builtin import builtin_conversations, corpus_of
@@ -104,18 +143,21 @@ def eval_conversations(data_cfg, target_path: str | None = None) -> EvalSet:
         corpus = corpus_of(getattr(data_cfg, "corpus", "auto"), target_path)
         return EvalSet(builtin_conversations("eval", n, data_cfg.seed, corpus),
                        f"{n} built-in held-out {corpus} chats")
-    if data_cfg.source == "jsonl":
-        if data_cfg.eval_path:
-            rows = read_conversations(data_cfg.eval_path, skip_invalid=data_cfg.skip_invalid, prompts_only=True)
+    if data_cfg.source in FILE_SOURCES:
+        src = _eval_source(data_cfg)
+        if src:
+            rows = _read(data_cfg, *src, prompts_only=True)
             sel = rows[:n] if n else rows
             return EvalSet(sel, f"{'every one' if len(sel) == len(rows) else f'the first {len(sel)}'} of "
-                                f"{len(rows)} rows of {data_cfg.eval_path}")
+                                f"{len(rows)} rows of {_label(data_cfg, *src)}")
         if not data_cfg.path:
-            raise DraftTrainError("data.path (or data.eval_path) is required with data=jsonl")
-        rows = read_conversations(data_cfg.path, skip_invalid=data_cfg.skip_invalid, prompts_only=True)
+            raise DraftTrainError(f"data.path (or data.eval_path) is required with data={data_cfg.source}")
+        split = getattr(data_cfg, "split", "train")
+        rows = _read(data_cfg, data_cfg.path, split, prompts_only=True)
+        label = _label(data_cfg, data_cfg.path, split)
         if not n or n >= len(rows):
-            return EvalSet(rows, f"every one of {len(rows)} rows of {data_cfg.path}")
-        return EvalSet(rows[-n:], held_out_note(n, len(rows), data_cfg.path))
+            return EvalSet(rows, f"every one of {len(rows)} rows of {label}")
+        return EvalSet(rows[-n:], held_out_note(n, len(rows), label))
     if data_cfg.source == "structured":  # prompts with a JSON schema each (drafttrain.structured.evalset)
         from ..structured import builtin_structured_examples, read_structured_jsonl
 
@@ -128,4 +170,5 @@ def eval_conversations(data_cfg, target_path: str | None = None) -> EvalSet:
         return EvalSet(builtin_structured_examples("eval", n, data_cfg.seed,
                                                    max_string_length=data_cfg.structured_max_string_length),
                        f"{n} built-in structured prompts")
-    raise DraftTrainError(f"data.source={data_cfg.source}: expected builtin, jsonl or structured")
+    raise DraftTrainError(f"data.source={data_cfg.source}: expected builtin, {', '.join(FILE_SOURCES)} or "
+                          "structured")
