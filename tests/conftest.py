@@ -27,9 +27,12 @@ SLOW_FIXTURES = {"tiny_builtin_target"}  # built once per session: ~30-50 s on 2
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(config, items):
+    engine_selected = "engine" in (config.getoption("markexpr") or "")
     for item in items:
         if item.path.name in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if not engine_selected and item.get_closest_marker("engine"):  # the engine tier runs on its own
+            item.add_marker(pytest.mark.skip(reason="engine tier: run with -m engine (after scripts/make_engine_venv.sh)"))
 
 
 @pytest.fixture(scope="session")
