@@ -3,7 +3,7 @@
 recipe and states only what differs from it, documents every value it sets in its header (with the 8-GPU launch,
 regenerate, capture, export and serve lines and the step arithmetic), validates (also for 8 processes), and builds
 its drafter against a tiny random model of the real target's architecture: the real layer count, vocabulary, RoPE
-and embedding tying, at width 64 (no hub access). One training step per family runs in the slow tier."""
+and embedding tying, at width 64 and 40000 tokens (no hub access). One training step per family runs in the slow tier."""
 from __future__ import annotations
 
 import json
@@ -18,8 +18,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-import drafttrain.config as C
 from drafttrain.cli import CONF_DIR, check_overrides, expand_shorthands
+from drafttrain.validate import check_values
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
@@ -92,6 +92,19 @@ def test_the_real_recipes_and_presets_are_these():
     assert recipes == set(REAL)
     presets = {p.stem for p in (CONF_DIR / "target").glob("*.yaml")} - {"auto", "builtin", "builtin-docs", "hf"}
     assert presets == set(REAL.values())
+
+
+@pytest.mark.parametrize("preset", sorted(set(REAL.values())))
+def test_target_preset_names_its_model_and_architecture(preset):
+    """The preset loads the hub model (in bf16 on CUDA: dtype auto) and its comment states the architecture facts
+    the recipes rely on (the tiny models below are built from the same table)."""
+    a, text = ARCH[preset], (CONF_DIR / "target" / f"{preset}.yaml").read_text()
+    assert yaml.safe_load(text) == {"name_or_path": a["hub"]}
+    L = a["layers"]
+    for fact in (f"{L} layers", f"vocabulary {a['vocab']}", f"taps are (2, {L // 2}, {L - 3})"):
+        assert fact in text, f"target/{preset}.yaml does not say {fact!r}"
+    target = OmegaConf.to_object(_compose([f"target={preset}"])).target
+    assert (target.name_or_path, target.dtype) == (a["hub"], "auto")
 
 
 @pytest.mark.parametrize("recipe", sorted(REAL))
@@ -178,7 +191,9 @@ def test_header_has_the_command_lines(recipe):
 @pytest.mark.parametrize("recipe", sorted(REAL))
 def test_recipe_validates_through_the_cli(recipe, tmp_path, monkeypatch, capsys):
     """The CLI's check (compose + check_job): a missing data file is one line naming data.path; with the file
-    there the recipe passes, for one process and for the 8 of its launch line (batch geometry)."""
+    there the recipe passes for the 8 processes of its launch line (batch geometry). The header's
+    regenerate, capture and offline-training lines pass the same check (their files made), its export line
+    composes (the drafter it names does not exist here)."""
     monkeypatch.chdir(tmp_path)
     path = _stated(recipe)["data.path"]
     with pytest.raises(SystemExit) as e:
@@ -187,9 +202,24 @@ def test_recipe_validates_through_the_cli(recipe, tmp_path, monkeypatch, capsys)
     assert capsys.readouterr().err.strip() == f"error: data.path={path}: no such file"
     (tmp_path / path).parent.mkdir(parents=True)
     (tmp_path / path).write_text('{"messages": []}\n')
+    monkeypatch.setenv("WORLD_SIZE", "8")  # as under the launch line (one process passes whenever 8 do)
     check_overrides("train", [f"recipe={recipe}"])
-    monkeypatch.setenv("WORLD_SIZE", "8")
-    check_overrides("train", [f"recipe={recipe}"])
+    monkeypatch.delenv("WORLD_SIZE")
+    head = _header(recipe)
+    regen = shlex.split(_line(head, "drafttrain regenerate"))[2:]
+    (tmp_path / next(a for a in regen if a.startswith("input=")).partition("=")[2]).write_text("")
+    check_overrides("regenerate", expand_shorthands(regen))
+    if _family(recipe) != "medusa2":
+        cap = shlex.split(_line(head, "accelerate launch --num_processes 8 -m drafttrain.cli capture"))[7:]
+        check_overrides("capture", expand_shorthands(cap))
+        (tmp_path / next(a for a in cap if a.startswith("capture.path=")).partition("=")[2]).mkdir(parents=True)
+        offline = [ln for ln in head.splitlines() if ln.startswith("accelerate launch --config_file") and
+                   "capture.mode=offline" in ln]
+        check_overrides("train", shlex.split(offline[0])[7:])
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="export", overrides=shlex.split(_line(head, "drafttrain export").replace("<run>", "r"))[2:])
+    check_values("export", cfg)
 
 
 # ------------------------------------------------------------------------------ tiny models of the real ones
@@ -214,13 +244,19 @@ def _tokenizer():
     return tok
 
 
+# the tiny models' vocabulary: above the recipes' 32000-token draft vocabulary (which is then not the default
+# min(32000, V // 2) = 20000, so the recipes' eagle3.draft_vocab_size is what the drafter gets), and a third of
+# Llama-3's 128256, which keeps Medusa's 5 full-vocabulary heads cheap
+TINY_VOCAB = 40000
+
+
 def _save_tiny(name: str, directory):
-    """A random model of ``ARCH[name]``'s family, layer count, vocabulary, RoPE and tying, 64 wide, with a small
-    word-level tokenizer (its ids are the first of the vocabulary)."""
+    """A random model of ``ARCH[name]``'s family, layer count, RoPE, length and tying, 64 wide, with
+    ``TINY_VOCAB`` tokens and a small word-level tokenizer (its ids are the first of the vocabulary)."""
     import transformers as tf
 
     a, tok = ARCH[name], _tokenizer()
-    common = dict(vocab_size=a["vocab"], hidden_size=64, intermediate_size=128, num_hidden_layers=a["layers"],
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=a["layers"],
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=a["tie"],
                   max_position_embeddings=a["max_pos"], rope_parameters=dict(a["rope"]),
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -254,7 +290,7 @@ def _tiny_overrides(recipe, tiny):
 @pytest.mark.parametrize("recipe", sorted(REAL))
 def test_recipe_builds_its_drafter_on_a_tiny_model_of_its_target(recipe, tiny):
     """The recipe's model keys resolve against its target's architecture: EAGLE-3 taps (2, L//2, L-3) of the
-    real depth, a 32000-token draft vocabulary, the target's RoPE and length; 5 Medusa heads (Medusa-2: LoRA
+    real depth, the recipe's 32000-token draft vocabulary, the target's RoPE and length; 5 Medusa heads (Medusa-2: LoRA
     r 32 on the target); the pretrained draft (Llama-3.2-1B's architecture) sharing the vocabulary."""
     from drafttrain.targets.load import load_target
     from drafttrain.training.method import method_class
@@ -270,18 +306,18 @@ def test_recipe_builds_its_drafter_on_a_tiny_model_of_its_target(recipe, tiny):
     if job.method == "eagle3":
         L = a["layers"]
         assert method.taps == (2, L // 2, L - 3) and drafter.d2t.numel() == 32000
-        assert drafter.fc.in_features == 3 * 64 and drafter.config.vocab_size == a["vocab"]
+        assert drafter.fc.in_features == 3 * 64 and drafter.config.vocab_size == TINY_VOCAB
         assert drafter.config.max_position_embeddings == a["max_pos"]
         assert (drafter.config.rope_scaling or {}).get("rope_type", "default") == a["rope"]["rope_type"]
     elif job.method in ("medusa", "medusa2"):
         assert drafter.heads.num_heads == 5 and drafter.heads.num_layers == 1
-        assert drafter.heads.vocab_size == a["vocab"]
+        assert drafter.heads.vocab_size == TINY_VOCAB
         ranks = {m.r["default"] for m in model.modules() if hasattr(m, "lora_A") and isinstance(m.r, dict)}
         assert ranks == ({32} if job.method == "medusa2" else set())
     else:
         lm = drafter.lm
         assert lm.config.num_hidden_layers == ARCH["llama3.2-1b-instruct"]["layers"] and lm.config.tie_word_embeddings
-        assert lm.get_output_embeddings().weight.shape[0] == a["vocab"]
+        assert lm.get_output_embeddings().weight.shape[0] == TINY_VOCAB
 
 
 @pytest.mark.slow
