@@ -243,6 +243,23 @@ def test_rows_are_written_in_input_order_with_requests_in_parallel(tmp_path):
     assert [r["messages"][1]["content"] for r in _rows(out)] == [f"A:u{k}" for k in range(8)]
 
 
+def test_requests_run_at_most_a_window_ahead_of_the_next_row_to_write(tmp_path, monkeypatch):
+    import drafttrain.data.regenerate_openai as R
+
+    monkeypatch.setattr(R, "WINDOW", 2)  # 2 x concurrency 2: rows 0-3 while row 0 is slow
+
+    def reply(n, body):
+        return echo(n, body, delay=0.4 if body["messages"][-1]["content"] == "u0" else 0.0)
+
+    inp, out = write_chats(tmp_path / "in.jsonl", chats(10)), tmp_path / "out.jsonl"
+    with fake_server(reply) as fake:
+        regenerate_file_with_server(settings(fake.base_url), inp, out, progress=False)
+    t0 = fake.requests[0][0]
+    early = [b["messages"][-1]["content"] for t, _, b in fake.requests if t < t0 + 0.3]
+    assert sorted(early) == ["u0", "u1", "u2", "u3"], early
+    assert [r["id"] for r in _rows(out)] == [f"q{k}" for k in range(10)]
+
+
 def test_each_turn_is_asked_on_the_models_own_history_with_plain_fields(tmp_path):
     row = {"id": "m", "messages": [
         {"role": "system", "content": "sys"}, {"role": "user", "content": "one"}, {"role": "assistant", "content": "x"},
@@ -262,6 +279,19 @@ def test_each_turn_is_asked_on_the_models_own_history_with_plain_fields(tmp_path
     assert [b["seed"] for b in bodies] == [request_seed(3, 0, 0), request_seed(3, 0, 1)]
     assert _rows(out)[0]["messages"][4] == {"role": "assistant", "content": "A:two"}
     assert (stats["turns"], stats["new_tokens"]) == (2, len("A:one") + len("A:two"))  # usage.completion_tokens
+
+
+def test_progress_bar_shows_rows_and_completion_tokens_per_second(tmp_path, capsys):
+    def reply(n, body):
+        return 200, completion("x", tokens=500), 0.02
+
+    inp = write_chats(tmp_path / "in.jsonl", chats(4))
+    with fake_server(reply) as fake:
+        regenerate_file_with_server(settings(fake.base_url, concurrency=1), inp, tmp_path / "out.jsonl")
+    bar = capsys.readouterr().err.split("\r")[-1]
+    assert "4/4" in bar and "row/s" in bar, bar
+    rate = float(bar.split(" tok/s")[0].rsplit(" ", 1)[-1])
+    assert 500 <= rate <= 4 * 500 / 0.08, bar  # the server's completion_tokens over the run's time
 
 
 def test_length_finish_is_a_truncated_turn_and_drop_truncated_drops_it(tmp_path):

@@ -24,7 +24,9 @@ served at another address after a restart (``model`` and the sampling settings a
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import json
 import threading
 import time
@@ -222,13 +224,22 @@ class _Progress:
             self.bar.close()
 
 
+WINDOW = 8  # conversations submitted ahead of the next row to write, per request in flight (bounds the memory)
+
+
 def _write_in_order(run: _Run, convs, todo: list[int], write, stats: dict, progress: _Progress, on_row) -> int:
-    """Submit every conversation to ``concurrency`` threads and write the rows in input order; rows written."""
-    written = 0
+    """Regenerate the conversations ``todo`` on ``concurrency`` threads, writing the rows in input order (at most
+    ``WINDOW * concurrency`` submitted ahead of the next row to write); the number of rows written."""
+    written, ahead, queue = 0, WINDOW * run.s.concurrency, iter(todo)
     pool = ThreadPoolExecutor(max_workers=run.s.concurrency, thread_name_prefix="regenerate")
+    pending: collections.deque = collections.deque()
     try:
-        futures = [(i, pool.submit(run.conversation, convs[i], i)) for i in todo]
-        for i, fut in futures:
+        while True:
+            for i in itertools.islice(queue, max(0, ahead - len(pending))):
+                pending.append((i, pool.submit(run.conversation, convs[i], i)))
+            if not pending:
+                return written
+            i, fut = pending.popleft()
             try:
                 state, counts = fut.result()
             except _Stopped:
@@ -247,7 +258,6 @@ def _write_in_order(run: _Run, convs, todo: list[int], write, stats: dict, progr
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-    return written
 
 
 def regenerate_with_server(
