@@ -29,7 +29,7 @@ FREE_STRINGS = {
     "LoggerConfig.project", "LoggerConfig.run_name", "CaptureConfig.path", "ExportJob.drafter", "ExportJob.out",
     "ExportJob.verifier", "EvalJob.drafter", "BenchJob.drafter", "BenchJob.draft_model", "TuneJob.drafter",
     "RegenerateJob.input", "RegenerateJob.output", "RegenerateJob.model",
-    "DataConfig.split", "DataConfig.subset", "DataConfig.eval_split",
+    "DataConfig.split", "DataConfig.subset", "DataConfig.eval_split", "EvalSetConfig.set", "EvalSetConfig.categories",
 }
 
 
