@@ -19,7 +19,8 @@ import sys
 
 import pytest
 
-from drafttrain.engines.vllm_check import compare, engine_python, engine_venv, run_driver, serving_spec, summary
+from drafttrain.engines.vllm_check import (compare, engine_python, engine_venv, first_position_rates, run_driver,
+                                           serving_spec, summary)
 
 from .conftest import REPO
 
@@ -35,9 +36,10 @@ TRAIN = [*TARGET, "logger=none", "data.num_train=32", "data.regen_max_new_tokens
          "train.warmup_steps=1", "train.eval=false"]
 RECIPES = {
     # 40 steps: an EAGLE-3 that reads its taps (after 8 steps it predicts one token whatever the context, so a
-    # shifted tap or a dropped d2t changes nothing and the broken-export checks below prove nothing)
+    # shifted tap changes nothing and the broken-export checks below prove nothing); a draft vocabulary of 256:
+    # the default (V/2 = 1024) is ids 0..1023 on this data, d2t all zeros, and dropping it changes nothing
     "eagle3": ["recipe=eagle3", "eagle3.ttt_steps=3", "eagle3.fc_norm=false", "eagle3.norm_output=false",
-               "train.max_steps=40"],
+               "train.max_steps=40", "eagle3.draft_vocab_size=256"],
     "eagle3-2layers": ["recipe=eagle3", "eagle3.ttt_steps=3", "eagle3.fc_norm=false", "eagle3.norm_output=false",
                        "eagle3.num_layers=2", "train.max_steps=40"],
     "medusa": ["recipe=medusa", "medusa.num_heads=3"],
@@ -98,22 +100,25 @@ def engine(tmp_path_factory, cache_dir):
     target = ensure_builtin_target(BuiltinSpec(**SPEC), quiet=True)
     root = tmp_path_factory.mktemp("engine")
     finals = {name: _train(root, name) for name in RECIPES}
-    mine, runs, prompts = {}, [], None
+    mine, runs, prompts, done = {}, [], None, {}
     for case, (name, dtype, how) in CASES.items():
         model, tok, drafter, method, _ = load_pair(finals[name], target)
         prompts = prompts or eval_prompt_ids(tok, builtin_conversations("eval", PROMPTS, 0), 0)
         spec = serving_spec(finals[name], target, root / case, K, model=model, tokenizer=tok, dtype=dtype)
         if dtype != "float32":  # drafttrain decodes the exported (rounded) weights too
             model, tok, drafter, method, _ = load_pair(spec["speculative_config"]["model"], target)
-        mine[case] = ours(model, tok, drafter, method, prompts, K, N)
+        if (name, dtype) not in done:  # the mutated exports are compared with the intact drafter's decode
+            done[name, dtype] = ours(model, tok, drafter, method, prompts, K, N)
+        mine[case] = done[name, dtype]
         spec = _mutate(spec, how, root / case) if how else spec
         runs.append({**spec, "prompts": prompts, "max_tokens": N, "stop_token_ids": stop_token_ids(model, tok)})
     out = run_driver({"runs": runs})
     (root / "vllm.json").write_text(json.dumps(out))
-    res = {}
+    res = {"_runs": dict(zip(CASES, runs)), "_finals": finals, "_target": target}
     for (case, m), r in zip(mine.items(), out["runs"]):
         res[case] = {"error": r["error"]} if "error" in r else {"rows": compare(m, r["results"], N)}
-    print(json.dumps({c: summary(v["rows"]) if "rows" in v else v for c, v in res.items()}), file=sys.stderr)
+    print(json.dumps({c: summary(v["rows"]) if "rows" in v else v for c, v in res.items() if c in CASES}),
+          file=sys.stderr)
     return res
 
 
@@ -140,3 +145,30 @@ def test_broken_exports_fail_the_check(engine, case):
     rows = got["rows"]
     assert all(r["outputs_equal"] for r in rows), "vLLM's greedy output is the target's, drafter or not"
     assert not all(r["drafts_equal"] and r["acceptance_equal"] for r in rows), (case, summary(rows))
+
+
+SAMPLES, TEMPERATURE = 5, 0.7
+
+
+@pytest.fixture(scope="module")
+def sampled(engine):
+    """EAGLE-3 at temperature 0.7, each prompt SAMPLES times (one seed each), in drafttrain and in vLLM: the first
+    draft position's acceptance rate both ways. vLLM drafts the argmax (its default draft_sample_method), so
+    drafttrain drafts at draft_temperature=0; both verify by rejection sampling."""
+    from drafttrain.engines.vllm_check import load_pair, ours
+
+    spec = engine["_runs"]["eagle3-fp32"]
+    prompts = spec["prompts"] * SAMPLES
+    model, tok, drafter, method, _ = load_pair(engine["_finals"]["eagle3"], engine["_target"])
+    mine = ours(model, tok, drafter, method, prompts, K, N, temperature=TEMPERATURE, draft_temperature=0.0)
+    got = run_driver({**spec, "prompts": prompts, "temperature": TEMPERATURE})
+    return first_position_rates(mine, got["results"])
+
+
+def test_sampling_acceptance_rates_agree(sampled):
+    """Not token equality (the two engines draw different random numbers): the rates agree within 4 standard
+    errors of their difference."""
+    s = sampled
+    assert s["n_ours"] > 100 and s["n_vllm"] > 100, s
+    assert 0.05 < s["ours"] < 0.95, f"a rate near 0 or 1 would make the comparison trivial: {s}"
+    assert abs(s["ours"] - s["vllm"]) <= 4 * s["se"], s

@@ -65,15 +65,16 @@ def speculative_config(kind: str, export_dir: str, K: int) -> dict:
 
 
 def ours(model, tokenizer, drafter, method: str, prompts: list[list[int]], K: int, max_new_tokens: int,
-         temperature: float = 0.0, seed: int = 0) -> list[dict]:
+         temperature: float = 0.0, seed: int = 0, draft_temperature: float | None = None) -> list[dict]:
     """drafttrain's decode of ``prompts``: per prompt the AR tokens and the speculative decoder's tokens, rounds,
-    drafted and accepted counts (per position too)."""
+    drafted and accepted counts (per position too). ``draft_temperature=0``: argmax drafts, as vLLM's EAGLE /
+    draft-model proposers draft by default when sampling."""
     from ..config import DecodeConfig
     from ..decoding.build import decode_cache_length, make_proposer, target_taps
     from ..eval import prepare
 
     decode = DecodeConfig(method=method, num_draft_tokens=K, max_new_tokens=max_new_tokens, temperature=temperature,
-                          seed=seed, warmup=0, sweep_prompts=0, plot=False)
+                          seed=seed, draft_temperature=draft_temperature, warmup=0, sweep_prompts=0, plot=False)
     proposer = make_proposer(method, drafter, decode, max_len=decode_cache_length(prompts, decode))
     run = prepare(model, tokenizer, prompts, proposer, decode, method=method,
                   taps=target_taps(method, drafter, model))
@@ -82,7 +83,8 @@ def ours(model, tokenizer, drafter, method: str, prompts: list[list[int]], K: in
         ar = run.run_ar(i, p)
         sp = run.run_spec(run.spec, i, p, ar.tokens)
         rows.append({"ar": ar.tokens, "spec": sp.tokens, "rounds": sp.num_rounds, "drafted": sp.num_drafted,
-                     "accepted": sp.num_accepted, "accepted_per_pos": list(sp.accepted_per_position)})
+                     "accepted": sp.num_accepted, "accepted_per_pos": list(sp.accepted_per_position),
+                     "drafted_per_pos": list(sp.drafted_per_position)})
     return rows
 
 
@@ -160,3 +162,15 @@ def serving_spec(drafter: str | os.PathLike, target: str, work: str | os.PathLik
         model.save_pretrained(served, safe_serialization=True)
         tokenizer.save_pretrained(served)
     return {"target": served, "speculative_config": speculative_config(kind, spec_dir, K)}
+
+
+def first_position_rates(mine: list[dict], theirs: list[dict]) -> dict:
+    """Sampling: the acceptance rate of the first draft position, pooled over prompts, both ways, with the
+    normal-approximation standard error of their difference (rounds taken as independent trials)."""
+    import math
+
+    a1, n1 = sum(m["accepted_per_pos"][0] for m in mine), sum(m["drafted_per_pos"][0] for m in mine)
+    a2, n2 = sum(t["accepted_per_pos"][0] for t in theirs), sum(t["num_drafts"] for t in theirs)
+    p = (a1 + a2) / (n1 + n2) if n1 + n2 else 0.0
+    se = math.sqrt(p * (1 - p) * (1 / max(n1, 1) + 1 / max(n2, 1)))
+    return {"ours": a1 / n1 if n1 else None, "vllm": a2 / n2 if n2 else None, "n_ours": n1, "n_vllm": n2, "se": se}
