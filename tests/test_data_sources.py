@@ -21,7 +21,7 @@ from drafttrain.data.sources import read_source
 from drafttrain.io import DraftTrainError
 from drafttrain.validate import check_job, check_paths
 
-from .conftest import REPO, TINY_BUILTIN_OVERRIDES
+from .conftest import TINY_BUILTIN_OVERRIDES
 
 SINGLE = [
     [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "    return a + b"}],
@@ -82,9 +82,13 @@ def test_every_shape_reads_to_the_same_messages(shape, container, tmp_path):
         assert [c.id for c in convs] == want, (fmt, [c.id for c in convs])
 
 
-def test_a_directory_of_split_files_and_a_saved_dataset_dict(tmp_path):
+def test_a_directory_of_split_files_and_a_saved_dataset_dict(tmp_path, monkeypatch):
     """UltraChat's layout (data/<split>-*.parquet): data.split picks the files; slices work; an unknown split is
-    one line naming the splits there; a save_to_disk DatasetDict the same."""
+    one line naming the splits there; a save_to_disk DatasetDict the same. Local files leave the datasets cache
+    alone."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
     rows = SHAPES["ultrachat"][0]
     (tmp_path / "uc" / "data").mkdir(parents=True)
     _write(rows, tmp_path / "uc" / "data" / "train_sft-00000-of-00001.parquet")
@@ -96,12 +100,14 @@ def test_a_directory_of_split_files_and_a_saved_dataset_dict(tmp_path):
     with pytest.raises(DraftTrainError) as e:
         read_source(tmp_path / "uc")
     assert "\n" not in str(e.value) and "uc[train]" in str(e.value) and "train_sft" in str(e.value), str(e.value)
-    DatasetDict({"train_sft": Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
+    DatasetDict({"test_sft": Dataset.from_list(rows[:1]), "train_sft": Dataset.from_list(rows)}).save_to_disk(
+        str(tmp_path / "dd"))
     assert len(read_source(tmp_path / "dd", "train_sft")) == 3
     arrow = next((tmp_path / "dd" / "train_sft").glob("*.arrow"))  # one .arrow file (any split name reads it)
     assert [c.id for c in read_source(arrow, "train_sft[:2]")] == ["p0", "p1"]
-    with pytest.raises(DraftTrainError, match=r"dd\[train\]: no split 'train' \(splits: train_sft"):
+    with pytest.raises(DraftTrainError, match=r"dd\[train\]: no split 'train' \(splits: test_sft, train_sft"):
         read_source(tmp_path / "dd")
+    assert not (tmp_path / "hf-cache").exists()
 
 
 def test_unknown_schema_is_one_line_naming_columns_and_shapes(tmp_path):
@@ -201,38 +207,57 @@ def test_shorthands_configs_and_checks(tmp_path, monkeypatch):
         check_job("train", job)
     job.data.path = "org/name"
     check_paths("train", job)  # a hub name stays a hub name
-    job.data.source, job.data.path = "file", str(tmp_path / "nope")
-    with pytest.raises(DraftTrainError, match=r"^data.path=.*nope: no such file or directory$"):
+    job.data.source, job.data.path = "file", "nope/rows"  # not a hub name with data=file
+    with pytest.raises(DraftTrainError, match=r"^data.path=nope/rows: no such file or directory$"):
         check_paths("train", job)
     job.data.source, job.data.path, job.data.subset = "jsonl", "x.jsonl", "default"
     with pytest.raises(DraftTrainError, match=r"^data.subset=default: only read with data=hub or data=file$"):
         check_job("train", job)
 
 
-# ------------------------------------------------------------------------------- through the command line
+# ------------------------------------------------------------------------------- training runs, the CLI
 
 TRAIN = [*TINY_BUILTIN_OVERRIDES, "logger=none", "recipe=eagle3", "train.max_steps=2", "train.batch_size=2",
-         "train.micro_batch_size=2", "train.warmup_steps=1", "eagle3.ttt_steps=2", "data.max_length=96",
+         "train.micro_batch_size=2", "train.warmup_steps=1", "eagle3.ttt_steps=2", "data.max_length=256",
          "decode.max_new_tokens=8", "decode.num_prompts=1", "decode.num_draft_tokens=2", "decode.warmup=0",
-         "decode.sweep=[]"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _cli(args, cwd):
-    return subprocess.run([sys.executable, "-m", "drafttrain.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env=ENV)
+         "decode.sweep=[]", "decode.plot=false"]
 
 
 @pytest.fixture(scope="module")
 def chats(tiny_builtin_target):
     from drafttrain.data.builtin import builtin_conversations
 
-    return [c.messages for c in builtin_conversations("draft", 8, seed=1)]
+    return [c.messages for c in builtin_conversations("draft", 16, seed=1) if len(json.dumps(c.messages)) < 600][:6]
+
+
+def _train_in_process(overrides, run):
+    """``drafttrain train <overrides>`` in this process: the CLI's shorthands, composition and checks, then the
+    library entry (no interpreter start per run)."""
+    from accelerate.state import AcceleratorState, GradientState
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from drafttrain.cli import CONF_DIR
+    from drafttrain.training import loop
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=expand_shorthands(overrides))
+        check_job("train", cfg)
+        run.mkdir()
+        return loop.run_train(OmegaConf.to_object(cfg), run)
+    finally:
+        GlobalHydra.instance().clear()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["parquet_dir", "sharegpt_jsonl", "ultrachat_parquet"])
-def test_train_on_each_source_through_the_cli(kind, chats, tmp_path):
+def test_train_on_each_source(kind, chats, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(tmp_path)
     if kind == "parquet_dir":
         (tmp_path / "chats").mkdir()
         data = _write([{"messages": c} for c in chats], tmp_path / "chats" / "train-00000-of-00001.parquet").parent
@@ -243,25 +268,26 @@ def test_train_on_each_source_through_the_cli(kind, chats, tmp_path):
                       tmp_path / "chats.parquet")
     before = sorted(p.name for p in tmp_path.rglob("*"))
     evaluate = kind == "ultrachat_parquet"  # one run also decodes its held-out row
-    r = _cli(["train", f"data={data}", *TRAIN, f"data.num_eval={1 if evaluate else 0}",
-              f"train.eval={str(evaluate).lower()}", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "data: 7 training rows" in r.stdout + r.stderr if evaluate else "data: 8 training rows" in r.stdout + r.stderr
+    report = _train_in_process([f"data={data.name}", *TRAIN, f"data.num_eval={int(evaluate)}",
+                                f"train.eval={str(evaluate).lower()}"], tmp_path / "run")
+    out = capsys.readouterr().out
+    assert f"data: {len(chats) - evaluate} training rows" in out, out
     hist = json.loads((tmp_path / "run" / "train_metrics.json").read_text())["history"]
     assert [h["step"] for h in hist] == [1, 2]
     if evaluate:
-        report = json.loads((tmp_path / "run" / "report.json").read_text())
         assert report["prompts"] == 1 and report["outputs_match_baseline"] is True
+        assert f"the last 1 of {len(chats)} rows of chats.parquet[train]" in out, out
     assert sorted(p.name for p in tmp_path.rglob("*") if "run" not in p.relative_to(tmp_path).parts) == before
 
 
 @pytest.mark.slow
 def test_cli_wrong_schema_is_one_line(tmp_path, tiny_builtin_target):
     data = _write([{"text": "hi", "label": 1}], tmp_path / "plain.parquet")
-    r = _cli(["train", f"data={data}", *TRAIN, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
-    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    r = subprocess.run([sys.executable, "-m", "drafttrain.cli", "train", f"data={data}", *TRAIN,
+                        f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error")]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert lines[-1] == (f"error: {data}[train]: no conversation columns (columns: text, label); expected one of: "
-                         "conversations (ShareGPT / Magpie: from, value), messages (OpenAI / UltraChat: role, "
-                         "content), instruction + response (Magpie) (data.format=auto|sharegpt|ultrachat|magpie|"
-                         "openai)"), lines
+    assert errors == [f"error: {data}[train]: no conversation columns (columns: text, label); expected one of: "
+                      "conversations (ShareGPT / Magpie: from, value), messages (OpenAI / UltraChat: role, content), "
+                      "instruction + response (Magpie) (data.format=auto|sharegpt|ultrachat|magpie|openai)"], r.stderr
