@@ -63,6 +63,7 @@ def turn_prompts(model, tokenizer, qset, decode) -> tuple[EvalSet, dict]:
     limit = _context_limit(model)
     room = decode.max_new_tokens + draft_positions(decode) + 1
     eos = stop_token_ids(model, tokenizer)
+    stops = set(eos)
     answer = _answerer(model, decode, limit) if any(len(q.turns) > 1 for q in qset.questions) else None
     out, skipped = [], Counter()
     for q in qset.questions:
@@ -76,7 +77,7 @@ def turn_prompts(model, tokenizer, qset, decode) -> tuple[EvalSet, dict]:
             out.append(TurnPrompt(ids, q.category, q.qid, t + 1))
             if t + 1 < len(q.turns):
                 res = answer.generate(ids, decode.max_new_tokens, eos, seed=decode.seed)
-                text = tokenizer.decode([x for x in res.tokens if x not in set(eos)], skip_special_tokens=True)
+                text = tokenizer.decode([x for x in res.tokens if x not in stops], skip_special_tokens=True)
                 msgs.append({"role": "assistant", "content": text})
     info = {"set": qset.name, "path": qset.path, "questions": len(qset.questions), "questions_in_file": qset.total,
             "turn_prompts": len(out), "skipped_turns": dict(skipped), "context_limit": limit,

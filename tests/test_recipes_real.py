@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from drafttrain.cli import CONF_DIR, check_overrides, expand_shorthands
 from drafttrain.validate import check_values
+from tests.test_config import _flat  # the same flattening of a composed config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
@@ -69,14 +70,6 @@ def _header(recipe: str) -> str:
     """The header comment with continuation lines joined: one command line per entry."""
     lines = [ln[1:].strip() for ln in _source(recipe).splitlines() if ln.startswith("#")]
     return re.sub(r"\s*\\\n\s*", " ", "\n".join(lines))
-
-
-def _flat(tree, prefix=""):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _flat(v, f"{prefix}.{k}" if prefix else k)
-    else:
-        yield prefix, tree
 
 
 def _stated(recipe: str) -> dict:
