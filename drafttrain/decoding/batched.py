@@ -1,0 +1,620 @@
+"""Batched chain speculative decoding: B prompts decoded together (``decode.batch_size > 1``).
+
+:class:`BatchSpecDecoder` wraps the batch-1 parts (a :class:`TargetRunner` and a chain proposer, built as for
+:class:`~drafttrain.decoding.engine.SpecDecoder`) and decodes a list of prompts in one batch. Each row keeps its
+own accepted length per round (ragged acceptance), its own position and its own end (eos or its own
+``max_new_tokens``); a finished row leaves the batch: its row is dropped from every cache by index.
+
+Target (and a draft model): :class:`BatchRunner`, per-layer K/V ``[B, Hkv, capacity, D]`` with one **write
+pointer per row** (``lengths[b]``). Row b holds its committed tokens at slots ``0 .. lengths[b] - 1`` and slot
+= position, so prompts are *right*-padded and need no position offset. A forward of ``n`` tokens writes row b's
+tokens at slots ``lengths[b] + i`` (``scatter_`` by index) with ``position_ids = lengths[b] + i`` and a
+per-row 4D mask ``slot_k <= slot_q`` (plus the sliding window by position): a row sees its own committed
+slots and the new block, never another row's padding or its own stale slots, which all lie past its
+pointer. Rollback is per row by index: the pointer moves to ``old + 1 + a_b`` (the pending token and the
+accepted drafts); the rejected drafts and the padding of shorter rows stay behind it as dead slots, to be
+overwritten by the next forward. Nothing is ever visible that is not the row's prompt + committed tokens
+(``visible_slots``; tests/test_batched_decoding.py checks the K/V there against a fresh prefill).
+
+EAGLE-3 drafter (:class:`_BatchEagle3`): its ``step`` writes one slot range for all rows (a shared write
+pointer, ``Eagle3Cache.length``), so here rows keep a **validity mask** ``[B, capacity]`` and a position per
+slot instead: every step passes a ``[B, n, L + n]`` mask (a query sees the valid slots of its row and the
+real entries of its own block before it) and per-row ``position_ids``. The drafts of a round and the padding
+become holes (invalid) at accept; the accepted entries are rebuilt from the target's taps as in the batch-1
+proposer. When the buffer would overflow, each row's valid entries are gathered to the front
+(``Eagle3Cache.keep`` with per-row indices). Medusa and prompt lookup are stateless per round (the target's
+last hidden state per row; the batch-1 n-gram lookup per row).
+
+Verification is the batch-1 rule row by row (``verify_chain_greedy`` / ``verify_chain_sampling``) with the
+decoder's one generator, so greedy rows equal their batch-1 AR output and sampling is lossless per row.
+Statistics: a :class:`~drafttrain.decoding.engine.GenerationResult` per row (rounds, committed tokens, tau,
+accepted / reached per position); a row's times are the batch's times divided by the batch size, so
+``aggregate`` over the rows gives the batch's throughput.
+
+Not supported with B > 1 (one clear ``DraftTrainError``): tree proposers, grammar-constrained decoding,
+typical acceptance, static shapes / compile.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..io import DraftTrainError
+from ..targets.load import gather_taps, text_config
+from .engine import GenerationResult, _commit, _record_round, _stop_tokens, aggregate
+from .proposers import DraftModelProposer, Eagle3ChainProposer, MedusaChainProposer, NoDraft, PromptLookupProposer
+from .sampling import SamplingParams, sample, verify_chain_greedy, verify_chain_sampling
+from .target import TargetRunner, _layer_kinds, _sync, static_cache_support
+
+CHAIN_ONLY = "decode.batch_size>1 supports chain methods only (ar, pld, eagle3, medusa, draft_model)"
+
+
+# ------------------------------------------------------------------------------------- per-row cache
+class _RowLayer(CacheLayerMixin):
+    """One layer of :class:`RowKVCache`: writes row b's new K/V at slots ``write_index[b]``."""
+
+    is_sliding = False  # windows are applied by the runner's mask, by position
+
+    def __init__(self, owner: "RowKVCache"):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        B, H, _, D = key_states.shape
+        self.device = key_states.device
+        self.keys = key_states.new_zeros((B, H, self.owner.capacity, D))
+        self.values = value_states.new_zeros((B, H, self.owner.capacity, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        idx = self.owner.write_index  # [B, n]
+        for buf, new in ((self.keys, key_states), (self.values, value_states)):
+            B, H, n, D = new.shape
+            buf.scatter_(2, idx[:, None, :, None].expand(B, H, n, D), new.to(buf.dtype))
+        kv = self.owner.kv_len
+        return self.keys[:, :, :kv], self.values[:, :, :kv]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.kv_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.kv_len
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def select_rows(self, rows: Tensor) -> None:
+        if self.is_initialized:
+            self.keys, self.values = self.keys[rows], self.values[rows]
+
+
+class RowKVCache(Cache):
+    """K/V of B rows with one write pointer per row (the runner sets ``write_index [B, n]`` and ``kv_len``)."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        super().__init__(layers=[_RowLayer(self) for _ in range(num_layers)])
+        self.capacity = int(capacity)
+        self.kv_len = 0
+        self.write_index: Tensor | None = None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv_len
+
+
+class BatchRunner:
+    """An HF causal LM over B rows, row b holding positions ``[0, lengths[b])`` at slots of the same index
+    (see the module docstring). ``forward`` appends a right-padded block; ``set_lengths`` rolls rows back."""
+
+    def __init__(self, model, taps: tuple[int, ...] | None = None, max_len: int | None = None, slack: int = 64,
+                 timing: bool = True):
+        why = static_cache_support(model)
+        if why:
+            raise DraftTrainError(f"decode.batch_size>1: this model cannot be batched ({why})")
+        self.model = model.eval()
+        self.taps = tuple(taps) if taps else None
+        cfg = text_config(model.config)
+        self.num_layers, self.vocab_size = int(cfg.num_hidden_layers), int(cfg.vocab_size)
+        self.max_len = int(max_len if max_len is not None else getattr(cfg, "max_position_embeddings", 1 << 16))
+        self.capacity = self.max_len + int(slack)  # padded rows write past the longest row
+        kinds, self.window = _layer_kinds(cfg)
+        self._kinds = set(kinds or [])
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self._neg = torch.finfo(self.dtype if self.dtype.is_floating_point else torch.float32).min
+        self.timing, self.time_forward, self.num_forwards = bool(timing), 0.0, 0
+        self.reset(1)
+
+    def reset(self, batch_size: int) -> None:
+        self.cache = RowKVCache(self.num_layers, self.capacity)
+        self.lengths = torch.zeros(int(batch_size), dtype=torch.long, device=self.device)
+        self._held = self.lengths.clone()
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def set_lengths(self, lengths: Tensor | Sequence[int]) -> None:
+        """Per-row rollback by index: row b keeps slots ``[0, lengths[b])`` (never more than it holds)."""
+        new = torch.as_tensor(lengths, dtype=torch.long, device=self.device).reshape(-1)
+        if new.shape != self.lengths.shape or bool((new < 0).any()) or bool((new > self._held).any()):
+            raise ValueError(f"cannot set row lengths {new.tolist()} (rows hold {self._held.tolist()})")
+        self.lengths = new
+
+    def select_rows(self, rows: Sequence[int] | Tensor) -> None:
+        """Keep only the rows ``rows`` (in that order) of every cache buffer: finished rows leave the batch."""
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            layer.select_rows(idx)
+        self.lengths = self.lengths[idx]
+        self._held = self._held[idx]
+
+    def visible_slots(self, row: int) -> range:
+        """The slots row ``row`` attends to before the next forward: exactly its committed positions."""
+        return range(int(self.lengths[row]))
+
+    def _mask(self, slots: Tensor, kv: int):
+        k = torch.arange(kv, device=self.device)
+
+        def one(window):
+            allow = k[None, None, :] <= slots[:, :, None]  # [B, n, kv]: own committed slots + the block
+            if window:
+                allow = allow & ((slots[:, :, None] - k[None, None, :]) < window)
+            return torch.where(allow, 0.0, self._neg).to(self.dtype)[:, None]
+
+        if "sliding" not in self._kinds:
+            return one(None)
+        if self._kinds == {"sliding"}:
+            return one(self.window)
+        return {"full_attention": one(None), "sliding_attention": one(self.window)}
+
+    @torch.no_grad()
+    def forward(self, ids: Tensor, n_real: Tensor | Sequence[int] | None = None) -> tuple[Tensor, Tensor | None]:
+        """Append ``ids [B, n]`` (row b's real tokens first, ``n_real[b]`` of them; default all n) at each row's
+        pointer; the pointers advance by ``n_real``. Returns ``(logits [B, n, V] float32, taps [B, n, D] or
+        None)``; rows past a row's ``n_real`` are padding (their outputs mean nothing)."""
+        B, n = ids.shape
+        if B != self.batch_size:
+            raise ValueError(f"batch of {B} rows, the runner holds {self.batch_size}")
+        real = torch.full((B,), n, dtype=torch.long, device=self.device) if n_real is None else \
+            torch.as_tensor(n_real, dtype=torch.long, device=self.device).reshape(B)
+        L = self.lengths
+        kv = int(L.max()) + n
+        if int((L + real).max()) > self.max_len or kv > self.capacity:
+            raise ValueError(f"cache overflow: rows of {L.tolist()} + {n} > max_len {self.max_len}")
+        slots = L[:, None] + torch.arange(n, device=self.device)[None, :]  # [B, n] = positions
+        self.cache.write_index, self.cache.kv_len = slots, kv
+        if self.timing:
+            _sync(self.device)
+        t0 = time.perf_counter()
+        out = self.model(input_ids=ids.to(self.device), position_ids=slots, attention_mask=self._mask(slots, kv),
+                         cache=self.cache, use_cache=True, output_hidden_states=self.taps is not None)
+        logits = out.logits.float()
+        taps = gather_taps(out.hidden_states, self.taps) if self.taps is not None else None
+        if self.timing:
+            _sync(self.device)
+        self.time_forward += time.perf_counter() - t0
+        self.num_forwards += 1
+        self._held = L + n  # written (real or padding) up to here: a rollback never goes past it
+        self.lengths = L + real
+        return logits, taps
+
+
+def _pad_rows(rows: Sequence[Sequence[int]], device, fill: int = 0) -> tuple[Tensor, Tensor]:
+    """Right-padded ``[B, max len]`` LongTensor of ``rows`` and their lengths ``[B]``."""
+    n = max(len(r) for r in rows)
+    ids = torch.full((len(rows), n), fill, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+    return ids.to(device), torch.tensor([len(r) for r in rows], dtype=torch.long, device=device)
+
+
+# ---------------------------------------------------------------------------------------- proposers
+class _BatchNone:
+    """AR (``NoDraft``): no drafts, no state."""
+
+    def prefill(self, prompts, taps, firsts) -> None:
+        pass
+
+    def propose(self, tokens, ks, sampling):
+        return [[] for _ in tokens], [None for _ in tokens]
+
+    def accept(self, tokens, accepted, taps) -> None:
+        pass
+
+    def select_rows(self, rows) -> None:
+        pass
+
+
+class _BatchLookup(_BatchNone):
+    """Prompt lookup: the batch-1 proposer's n-gram lookup, row by row (stateless)."""
+
+    def __init__(self, proposer: PromptLookupProposer):
+        self.proposer = proposer
+
+    def propose(self, tokens, ks, sampling):
+        return [list(self.proposer.propose(t, k, sampling)[0]) if k > 0 else [] for t, k in zip(tokens, ks)], \
+            [None for _ in tokens]
+
+
+class _BatchMedusa(_BatchNone):
+    """Medusa heads on every row's last verified hidden state ``[B, 1, H]`` (stateless per round)."""
+
+    def __init__(self, proposer: MedusaChainProposer):
+        self.heads, self.device, self.dtype = proposer.heads, proposer.device, proposer.dtype
+        self._h: Tensor | None = None
+
+    def _set(self, taps: Tensor | None, last: Tensor) -> None:
+        if taps is None:
+            raise ValueError("Medusa proposers need the target's last hidden state: TargetRunner(taps=(L,))")
+        if taps.shape[-1] != self.heads.hidden_size:
+            raise ValueError(f"medusa: tap width {taps.shape[-1]} != heads hidden_size {self.heads.hidden_size}")
+        rows = torch.arange(taps.shape[0], device=taps.device)
+        self._h = taps[rows, last.to(taps.device)].to(self.device, self.dtype)[:, None]  # [B, 1, H]
+
+    def prefill(self, prompts, taps, firsts) -> None:
+        self._set(taps, torch.tensor([len(p) - 1 for p in prompts]))
+
+    def accept(self, tokens, accepted, taps) -> None:
+        self._set(taps, torch.tensor(accepted))
+
+    @torch.no_grad()
+    def propose(self, tokens, ks, sampling):
+        k = min(max(ks), self.heads.num_heads)
+        if k <= 0:
+            return super().propose(tokens, ks, sampling)
+        top = torch.stack([self.heads.head_logits(self._h, j)[:, 0].argmax(-1) for j in range(k)], 1).tolist()
+        return [row[: min(kb, k)] for row, kb in zip(top, ks)], [None for _ in tokens]
+
+    def select_rows(self, rows) -> None:
+        self._h = self._h[torch.as_tensor(rows, device=self._h.device)]
+
+
+def _draft_tokens(z: Tensor, sampling: SamplingParams, qs: list) -> Tensor:
+    """One draft per row from logits ``z [B, V]``: the argmax, or a sample of the processed q (kept in ``qs``)."""
+    if sampling.greedy:
+        return z.argmax(-1)
+    q = sampling.process(z)
+    qs.append(q)
+    return sample(q, sampling.generator)
+
+
+def _split(drafts: list[Tensor], qs: list[Tensor], ks: Sequence[int]):
+    """Per-row drafts (lists, the first ``ks[b]``) and q ``[ks[b], V]`` (None when greedy) from per-step
+    ``[B]`` drafts and ``[B, V]`` q: the round's one host read of the drafts."""
+    if not drafts:
+        return [[] for _ in ks], [None for _ in ks]
+    d = torch.stack(drafts, 1).tolist()
+    q = torch.stack(qs, 1) if qs else None
+    return [row[:k] for row, k in zip(d, ks)], [None if q is None else q[b, :k] for b, k in enumerate(ks)]
+
+
+class _BatchDraftModel(_BatchNone):
+    """A draft causal LM over B rows (a :class:`BatchRunner` of the draft model): each round a row catches up
+    on its committed tokens that the draft cache does not hold, then the rows draft one token per forward;
+    before the next round each row is rolled back to its longest prefix agreeing with its committed tokens."""
+
+    def __init__(self, proposer: DraftModelProposer, max_len: int, slack: int):
+        self.proposer = proposer  # its _to_target_vocab maps the draft logits to the target vocabulary
+        self.runner = BatchRunner(proposer.runner.model, None, max_len=max_len, slack=slack,
+                                  timing=proposer.runner.timing)
+        self._cached: list[list[int]] = []
+
+    def prefill(self, prompts, taps, firsts) -> None:
+        self.runner.reset(len(prompts))
+        self._cached = [[] for _ in prompts]  # fed lazily by the first propose, with the pending token
+
+    def _rollback(self, tokens: list[list[int]]) -> list[list[int]]:
+        keep = []
+        for c, t in zip(self._cached, tokens):
+            n, i = min(len(c), len(t) - 1), 0
+            while i < n and c[i] == t[i]:
+                i += 1
+            del c[i:]
+            keep.append(i)
+        self.runner.set_lengths(keep)
+        return [t[i:] for t, i in zip(tokens, keep)]  # every feed holds at least the pending token
+
+    @torch.no_grad()
+    def propose(self, tokens, ks, sampling):
+        k = max(ks)
+        if k <= 0:
+            return super().propose(tokens, ks, sampling)
+        feed = self._rollback(tokens)
+        ids, n = _pad_rows(feed, self.runner.device)
+        logits, _ = self.runner.forward(ids, n)
+        z = logits[torch.arange(len(feed), device=logits.device), n - 1]
+        drafts, qs = [], []
+        for i in range(k):
+            drafts.append(_draft_tokens(self.proposer._to_target_vocab(z), sampling, qs))
+            if i + 1 < k:
+                z = self.runner.forward(drafts[-1][:, None])[0][:, 0]
+        for c, f, d in zip(self._cached, feed, torch.stack(drafts, 1)[:, : k - 1].tolist()):
+            c.extend(f + d)  # what the draft cache holds now
+        return _split(drafts, qs, ks)
+
+    def accept(self, tokens, accepted, taps) -> None:
+        self._rollback(tokens)  # the rejected drafts leave every row's view now (not only at the next propose)
+
+    def select_rows(self, rows) -> None:
+        self.runner.select_rows(rows)
+        self._cached = [self._cached[i] for i in rows]
+
+
+class _BatchEagle3(_BatchNone):
+    """EAGLE-3 chain drafting over B rows with the drafter's own ``step`` (shared write pointer, per-row
+    validity mask and positions; see the module docstring). Row b's committed entries are those of the
+    batch-1 proposer: entry j = (fused target feature h_j, token x_{j+1}) at position j, for j < n_b."""
+
+    def __init__(self, proposer: Eagle3ChainProposer, capacity: int):
+        self.drafter, self.device, self.dtype = proposer.drafter, proposer.device, proposer.dtype
+        self.capacity = int(capacity)
+        self.compactions = 0
+
+    def prefill(self, prompts, taps, firsts) -> None:
+        if taps is None:
+            raise ValueError("Eagle3ChainProposer needs target taps: build the TargetRunner with taps=")
+        B, dev = len(prompts), self.device
+        self.cache = self.drafter.new_cache(B, self.capacity, device=dev, dtype=self.dtype)
+        self.valid = torch.zeros(B, self.capacity, dtype=torch.bool, device=dev)
+        self.pos = torch.zeros(B, self.capacity, dtype=torch.long, device=dev)
+        ids, lens = _pad_rows([list(p[1:]) + [int(f)] for p, f in zip(prompts, firsts)], dev)
+        m = ids.shape[1]
+        positions = torch.arange(m, device=dev).expand(B, m)
+        self._n = torch.zeros(B, dtype=torch.long, device=dev)
+        self._rebuild(ids, taps[:, :m], positions, positions < lens[:, None], lens - 1)
+
+    def _rebuild(self, ids: Tensor, taps: Tensor, positions: Tensor, real: Tensor, last: Tensor) -> None:
+        """Entries from target features (the prompt; a round's accepted tokens); the next round's first draft
+        comes from each row's entry ``last``."""
+        self._ensure_room(ids.shape[1])
+        hidden = self.drafter.fuse(taps.to(self.device, self.dtype))
+        logits, out = self._step(ids, hidden, positions, real)
+        rows = torch.arange(ids.shape[0], device=self.device)
+        self._next_logits, self._next_hidden = logits[rows, last], out[rows, last][:, None]
+        self._n = self._n + real.sum(1)
+
+    def _step(self, ids: Tensor, hidden: Tensor, positions: Tensor, real: Tensor):
+        """``drafter.step`` on ``m`` new slots per row: a query sees its row's valid slots and the real
+        entries of its block up to itself (a padding query: itself only)."""
+        B, m = ids.shape
+        L = self.cache.length
+        if L + m > self.capacity:
+            raise ValueError(f"draft cache overflow: {L} + {m} > {self.capacity}")
+        eye = torch.eye(m, dtype=torch.bool, device=self.device)
+        block = (torch.ones(m, m, dtype=torch.bool, device=self.device).tril()[None] & real[:, None, :]) | eye
+        mask = torch.cat([self.valid[:, None, :L].expand(B, m, L), block], dim=-1)
+        out = self.drafter.step(ids, hidden, self.cache, position_ids=positions, attn_mask=mask)
+        self.valid[:, L : L + m] = real
+        self.pos[:, L : L + m] = positions
+        return out
+
+    def _ensure_room(self, m: int) -> None:
+        """Gather each row's valid entries to the front when ``m`` more slots would not fit."""
+        L = self.cache.length
+        if L + m <= self.capacity:
+            return
+        valid = self.valid[:, :L]
+        count = valid.sum(1)
+        slot = torch.arange(L, device=self.device)
+        idx = torch.where(valid, slot, slot + L).sort(1).values[:, : int(count.max())] % L  # valid slots first
+        self.cache.keep(idx, start=0)
+        C = idx.shape[1]
+        self.pos[:, :C] = self.pos.gather(1, idx)
+        self.valid[:] = False
+        self.valid[:, :C] = torch.arange(C, device=self.device)[None] < count[:, None]
+        self.compactions += 1
+        if C + m > self.capacity:
+            raise ValueError(f"draft cache overflow: {C} entries + {m} > {self.capacity}")
+
+    @torch.no_grad()
+    def propose(self, tokens, ks, sampling):
+        k = max(ks)
+        self._round_start = None
+        if k <= 0:
+            return super().propose(tokens, ks, sampling)
+        self._ensure_room(k + 1)  # the drafts (k - 1 slots), then the rebuild (<= k + 1) from the same start
+        self._round_start = self.cache.length
+        B = len(tokens)
+        logits, hidden = self._next_logits, self._next_hidden
+        drafts, qs = [], []
+        ones = torch.ones(B, 1, dtype=torch.bool, device=self.device)
+        for i in range(k):
+            drafts.append(_draft_tokens(self.drafter.logits_to_target(logits.float()), sampling, qs))
+            if i + 1 < k:
+                out, hidden = self._step(drafts[-1][:, None].to(self.device), hidden, (self._n + i)[:, None], ones)
+                logits = out[:, -1]
+        return _split(drafts, qs, ks)
+
+    @torch.no_grad()
+    def accept(self, tokens, accepted, taps) -> None:
+        if taps is None:
+            raise ValueError("Eagle3ChainProposer.accept needs the target taps at [pending, d_1..d_a]")
+        if self._round_start is not None:  # drop the round's draft entries
+            self.cache.truncate(self._round_start)
+            self.valid[:, self._round_start :] = False
+        a = torch.tensor(accepted, dtype=torch.long, device=self.device)
+        m = int(a.max()) + 1
+        ids, _ = _pad_rows([t[-(int(x) + 1) :] for t, x in zip(tokens, accepted)], self.device)  # d_1..d_a, b
+        step = torch.arange(m, device=self.device)[None]
+        self._rebuild(ids, taps[:, :m], self._n[:, None] + step, step <= a[:, None], a)
+
+    def select_rows(self, rows) -> None:
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        self.cache.k = [t[idx] for t in self.cache.k]
+        self.cache.v = [t[idx] for t in self.cache.v]
+        self.valid, self.pos, self._n = self.valid[idx], self.pos[idx], self._n[idx]
+        self._next_logits, self._next_hidden = self._next_logits[idx], self._next_hidden[idx]
+
+
+def _batch_proposer(proposer, max_len: int, K: int):
+    """The batched state of a batch-1 chain proposer (its drafter / heads / model / n-gram rule are reused)."""
+    if getattr(proposer, "tree", False):
+        raise DraftTrainError(f"{CHAIN_ONLY}: proposer {proposer.name!r} drafts trees (set decode.tree.enabled=false)")
+    if isinstance(proposer, NoDraft):
+        return _BatchNone()
+    if isinstance(proposer, PromptLookupProposer):
+        return _BatchLookup(proposer)
+    if isinstance(proposer, MedusaChainProposer):
+        return _BatchMedusa(proposer)
+    if isinstance(proposer, Eagle3ChainProposer):
+        return _BatchEagle3(proposer, capacity=max_len + 2 * K + 8)
+    if isinstance(proposer, DraftModelProposer):
+        return _BatchDraftModel(proposer, max_len=max_len + K + 1, slack=K + 8)
+    raise DraftTrainError(f"{CHAIN_ONLY}: no batched version of proposer {getattr(proposer, 'name', proposer)!r}")
+
+
+# ------------------------------------------------------------------------------------------ decoder
+@dataclass
+class BatchGenerationResult:
+    """The outputs of one :meth:`BatchSpecDecoder.generate` call: one ``GenerationResult`` per prompt (input
+    order) and the batch's wall time."""
+
+    results: list[GenerationResult]
+    time_total: float = 0.0
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [r.tokens for r in self.results]
+
+    def summary(self) -> dict:
+        """The rows' statistics pooled (:func:`~drafttrain.decoding.engine.aggregate`)."""
+        return aggregate(self.results)
+
+
+class BatchSpecDecoder:
+    """Chain speculative decoding of B prompts at once around the batch-1 parts (see the module docstring).
+
+    Args: as :class:`~drafttrain.decoding.engine.SpecDecoder` (the same validation; ``typical`` is refused);
+    ``target``'s model, taps and ``max_len`` (per row) are reused by a :class:`BatchRunner`, ``proposer``'s
+    drafter / heads / draft model / n-gram rule by its batched state.
+    """
+
+    def __init__(self, target: TargetRunner, proposer, num_draft_tokens: int, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, typical: bool = False,
+                 draft_temperature: float | None = None):
+        from .engine import SpecDecoder
+
+        if typical and temperature > 0:
+            raise DraftTrainError("decode.batch_size>1 does not support typical acceptance (decode.typical=true)")
+        if target.static_shapes:
+            raise DraftTrainError("decode.batch_size>1 runs eagerly: set decode.static_shapes=false")
+        # the batch-1 decoder's checks, sampling parameters, generator and verification rule
+        self.one = SpecDecoder(target, proposer, num_draft_tokens, temperature, top_k, top_p, seed,
+                               draft_temperature=draft_temperature)
+        self.K, self.sampling, self.generator = self.one.K, self.one.sampling, self.one.generator
+        self.target = BatchRunner(target.model, target.taps, max_len=target.max_len, slack=self.K + 8,
+                                  timing=target.timing)
+        self.proposer = _batch_proposer(proposer, target.max_len, self.K)
+        self._time_draft = 0.0
+
+    def _timed(self, fn, *args):
+        if self.target.timing:
+            _sync(self.target.device)
+        t0 = time.perf_counter()
+        out = fn(*args)
+        if self.target.timing:
+            _sync(self.target.device)
+        self._time_draft += time.perf_counter() - t0
+        return out
+
+    def _after_round(self, rows: list[int], tokens: dict[int, list[int]]) -> None:
+        """Called after each verify round (and after the prefill) with the active rows (prompt indices, in
+        batch order) and every prompt's committed tokens (the pending one last); a hook for checks."""
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                 eos_token_id: int | Iterable[int] | None = None, seed: int | None = None,
+                 grammar=None) -> BatchGenerationResult:
+        """Decode every prompt (up to its ``max_new_tokens``: one int or one per prompt; stops after eos).
+        ``seed`` re-seeds the generator first. ``grammar`` is refused (batch 1 only)."""
+        if grammar is not None:
+            raise DraftTrainError("decode.batch_size>1 does not support grammar-constrained decoding (decode.grammar)")
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        prompts = [[int(t) for t in p] for p in prompts]
+        if any(not p for p in prompts):
+            raise ValueError("empty prompt")
+        limits = [int(max_new_tokens)] * len(prompts) if isinstance(max_new_tokens, int) else \
+            [int(m) for m in max_new_tokens]
+        if len(limits) != len(prompts):
+            raise ValueError(f"{len(limits)} max_new_tokens for {len(prompts)} prompts")
+        K, eos = self.K, _stop_tokens(eos_token_id, None)
+        results = [GenerationResult(tokens=[], drafted_per_position=[0] * K, reached_per_position=[0] * K,
+                                    accepted_per_position=[0] * K) for _ in prompts]
+        t_start, t_target0, self._time_draft = time.perf_counter(), self.target.time_forward, 0.0
+        rows = [b for b, m in enumerate(limits) if m > 0]
+        tokens = {b: list(p) for b, p in enumerate(prompts)}
+        if rows:
+            rows = self._prefill(rows, prompts, tokens, results, limits, eos)
+        while rows:
+            rows = self._round(rows, tokens, results, limits, eos)
+        wall = time.perf_counter() - t_start
+        share = 1.0 / max(len(prompts), 1)
+        for r in results:
+            r.time_total, r.time_draft = wall * share, self._time_draft * share
+            r.time_target = (self.target.time_forward - t_target0) * share
+        return BatchGenerationResult(results, wall)
+
+    def _prefill(self, rows, prompts, tokens, results, limits, eos) -> list[int]:
+        """The target reads every prompt (right-padded) and produces each row's first (pending) token."""
+        sp = self.sampling
+        self.target.reset(len(rows))
+        ids, lens = _pad_rows([prompts[b] for b in rows], self.target.device)
+        logits, taps = self.target.forward(ids, lens)
+        last = logits[torch.arange(len(rows), device=logits.device), lens - 1]
+        first = (last.argmax(-1) if sp.greedy else sample(sp.process(last), self.generator)).tolist()
+        done = []
+        for b, tok in zip(rows, first):
+            tokens[b].append(tok)
+            results[b].tokens.append(tok)
+            done.append(tok in eos or limits[b] <= 1)
+        self._timed(self.proposer.prefill, [prompts[b] for b in rows], taps, first)
+        self._after_round(rows, tokens)
+        return self._drop(rows, done)
+
+    def _drop(self, rows: list[int], done: list[bool]) -> list[int]:
+        """Finished rows leave the batch: their rows are dropped from every cache by index."""
+        keep = [i for i, d in enumerate(done) if not d]
+        if len(keep) < len(rows) and keep:
+            self.target.select_rows(keep)
+            self.proposer.select_rows(keep)
+        return [rows[i] for i in keep]
+
+    def _round(self, rows, tokens, results, limits, eos) -> list[int]:
+        """One verify round for the active rows: draft, verify every row's chain in one batched target
+        forward, roll each row back by index to its own accepted length."""
+        target = self.target
+        held = target.lengths.tolist()
+        room = [target.max_len - n - 1 for n in held]  # positions left after the pending token
+        if min(room) < 0:  # a full row ends (as at batch 1)
+            rows = self._drop(rows, [r < 0 for r in room])
+            return self._round(rows, tokens, results, limits, eos) if rows else rows
+        ks = [max(0, min(self.K, limits[b] - len(results[b].tokens) - 1, r)) for b, r in zip(rows, room)]
+        drafts, qs = self._timed(self.proposer.propose, [tokens[b] for b in rows], ks, self.one.draft_sampling)
+        drafts = [list(d)[:k] for d, k in zip(drafts, ks)]
+        ids, n = _pad_rows([[tokens[b][-1]] + d for b, d in zip(rows, drafts)], target.device)
+        logits, taps = target.forward(ids, n)
+        accepted, done = [], []
+        for i, b in enumerate(rows):
+            d = torch.tensor(drafts[i], dtype=torch.long, device=target.device)
+            q = qs[i] if qs[i] is None or qs[i].shape[0] else None
+            a, bonus = (int(x) for x in self.one._verify_chain(d, q, logits[i, : len(drafts[i]) + 1]))
+            accepted.append(a)
+            _record_round(results[b], len(drafts[i]), len(drafts[i]), a)
+            committed = drafts[i][:a] + [bonus]
+            tokens[b].extend(committed)
+            done.append(_commit(results[b], committed, eos) or len(results[b].tokens) >= limits[b])
+        target.set_lengths([h + 1 + a for h, a in zip(held, accepted)])  # pending + accepted drafts, per row
+        self._timed(self.proposer.accept, [tokens[b] for b in rows], accepted, taps)
+        self._after_round(rows, tokens)
+        return self._drop(rows, done)
+
+
+__all__ = ["BatchGenerationResult", "BatchRunner", "BatchSpecDecoder", "CHAIN_ONLY", "RowKVCache"]

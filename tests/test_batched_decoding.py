@@ -1,0 +1,252 @@
+"""BatchSpecDecoder (decode.batch_size > 1) on tiny random HF models (Llama; Qwen2 with GQA) and on a batched toy
+LM with a 5-token vocabulary for exact distribution tests. CPU only, one thread."""
+from __future__ import annotations
+
+import copy
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+from drafttrain.decoding import (DraftModelProposer, Eagle3ChainProposer, MedusaChainProposer, NoDraft,
+                                 PromptLookupProposer, PromptLookupTreeProposer, SpecDecoder, TargetRunner,
+                                 process_logits)
+from drafttrain.decoding.batched import CHAIN_ONLY, BatchSpecDecoder
+from drafttrain.drafters.eagle3 import Eagle3Drafter
+from drafttrain.drafters.medusa import MedusaHeads
+from drafttrain.io import DraftTrainError
+
+from .test_decoding import _chi2, toy_eagle3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V, L = 24, 4  # a small vocabulary: random drafters are right now and then (ragged acceptance)
+TAPS = (1, 2, 3)
+COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False)
+ARCHS = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}
+PROMPT_LENS = (3, 40, 9, 17)  # very different lengths decoded together
+LIMITS = [24, 10, 30, 18]  # each row its own max_new_tokens (and one of them ends at eos)
+METHODS = {"ar": 0, "pld": 4, "eagle3": 3, "medusa": 3, "draft_model": 3}  # method -> K
+MAX_LEN = 96
+
+
+@functools.lru_cache(maxsize=None)
+def build(arch: str) -> SimpleNamespace:
+    """Target, drafters, prompts and the batch-1 AR reference of every prompt (with the rows' limits and eos)."""
+    C, M = ARCHS[arch]
+    torch.manual_seed(0)
+    model = M(C(**COMMON)).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    draft = copy.deepcopy(model)  # a noisy copy of the target: right often, not always
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.08 * torch.randn_like(p))
+    torch.manual_seed(2)
+    drafter = Eagle3Drafter.from_target(model, TAPS, torch.zeros(V, dtype=torch.long),
+                                        torch.ones(V, dtype=torch.bool)).eval()
+    heads = MedusaHeads(COMMON["hidden_size"], V, num_heads=3).eval()
+    free = SpecDecoder(TargetRunner(model, max_len=MAX_LEN), NoDraft(), 0).generate(prompts[2], LIMITS[2]).tokens
+    eos = free[6]  # row 2 ends at this eos (other rows may too, wherever it comes first)
+    ar = [SpecDecoder(TargetRunner(model, max_len=MAX_LEN), NoDraft(), 0).generate(p, n, eos).tokens
+          for p, n in zip(prompts, LIMITS)]
+    return SimpleNamespace(arch=arch, model=model, prompts=prompts, eos=eos, ar=ar, draft=draft, drafter=drafter,
+                           heads=heads)
+
+
+def make(s, method: str):
+    """(a fresh target runner, a fresh batch-1 proposer) for ``method``."""
+    runner = TargetRunner(s.model, taps=(L,) if method == "medusa" else TAPS, max_len=MAX_LEN)
+    return runner, {"ar": NoDraft, "pld": lambda: PromptLookupProposer(max_ngram=3, num_tokens=4),
+                    "eagle3": lambda: Eagle3ChainProposer(s.drafter, max_len=256),
+                    "medusa": lambda: MedusaChainProposer(s.heads),
+                    "draft_model": lambda: DraftModelProposer(s.draft, max_len=256)}[method]()
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def setup(request):
+    return build(request.param)
+
+
+class Watched(BatchSpecDecoder):
+    """Records the batch size of every round."""
+
+    def _after_round(self, rows, tokens):
+        self.sizes = getattr(self, "sizes", []) + [self.target.batch_size]
+        assert self.target.batch_size == len(rows)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_batched_greedy_equals_batch1(setup, method):
+    """Every row equals its batch-1 AR output token for token, and its statistics equal the batch-1
+    speculative decoder's (rounds, drafts accepted / reached per position): the drafter state is right too."""
+    K = METHODS[method]
+    runner, prop = make(setup, method)
+    dec = Watched(runner, prop, K)
+    out = dec.generate(setup.prompts, LIMITS, eos_token_id=setup.eos)
+    assert out.tokens == setup.ar
+    assert setup.ar[2][-1] == setup.eos and len(setup.ar[2]) < LIMITS[2]  # one row ended at eos
+    runner1, prop1 = make(setup, method)
+    one = [SpecDecoder(runner1, prop1, K).generate(p, n, setup.eos) for p, n in zip(setup.prompts, LIMITS)]
+    for o, r in zip(out.results, one):
+        assert (o.num_rounds, o.num_round_tokens, o.num_drafted, o.num_accepted) == \
+            (r.num_rounds, r.num_round_tokens, r.num_drafted, r.num_accepted)
+        assert o.accepted_per_position == r.accepted_per_position
+        assert o.reached_per_position == r.reached_per_position
+    assert len({r.num_rounds for r in out.results}) > 1  # rows end at different rounds ...
+    assert dec.sizes[0] == len(LIMITS) > dec.sizes[-1] and dec.sizes == sorted(dec.sizes, reverse=True)  # ... and leave
+    s = out.summary()
+    assert s["num_sequences"] == len(LIMITS) and s["num_new_tokens"] == sum(map(len, setup.ar))
+    if method in ("pld", "draft_model"):  # ragged acceptance: some rounds accept, some do not
+        acc = [r.num_accepted for r in out.results]
+        assert sum(acc) > 0 and s["alpha"] < 1
+        assert 1 < s["tau"] < K + 1
+    if method == "ar":
+        assert s["tau"] == 1.0
+
+
+def _fresh_keys(model, tokens: list[int]):
+    """Per layer K ``[H, n, D]`` of a fresh batch-1 prefill of ``tokens`` (no cache reuse at all)."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([tokens]), use_cache=True)
+    return [layer.keys[0] for layer in out.past_key_values.layers]
+
+
+class Checked(BatchSpecDecoder):
+    """After every round, checks that each row can attend to exactly its prompt + committed tokens."""
+
+    checks = 0
+
+    def _after_round(self, rows, tokens):
+        runner = self.target
+        L_ = runner.lengths
+        kv = int(L_.max()) + 1
+        allow = runner._mask(L_[:, None], kv)[:, 0, 0] == 0  # what a next forward's first query sees
+        for i, b in enumerate(rows):
+            committed = tokens[b][:-1]  # the pending token is not in the cache
+            n = len(committed)
+            assert list(runner.visible_slots(i)) == list(range(n))
+            assert allow[i].nonzero().flatten().tolist() == list(range(n + 1))  # its slots and itself
+            fresh = _fresh_keys(runner.model, committed)
+            for layer, ref in zip(runner.cache.layers, fresh):
+                torch.testing.assert_close(layer.keys[i, :, :n], ref, atol=1e-4, rtol=1e-4)
+            self._check_proposer(i, tokens[b])
+        self.checks += 1
+
+    def _check_proposer(self, i, tokens):
+        p = self.proposer
+        if hasattr(p, "valid"):  # EAGLE-3: valid slots hold positions 0..n-1 once each, as a fresh rebuild
+            n = len(tokens) - 1
+            slots = p.valid[i].nonzero().flatten()
+            assert sorted(p.pos[i, slots].tolist()) == list(range(n)) and int(p._n[i]) == n
+            out = self.target_model(input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=True)
+            taps = torch.cat([out.hidden_states[t] for t in TAPS], -1)
+            fresh = p.drafter.new_cache(1, 256)
+            logits, _ = p.drafter.step(torch.tensor([tokens[1:]]), p.drafter.fuse(taps), fresh)
+            torch.testing.assert_close(fresh.k[0][0][:, p.pos[i, slots]], p.cache.k[0][i][:, slots],
+                                       atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(p._next_logits[i], logits[0, -1], atol=1e-4, rtol=1e-4)
+        if hasattr(p, "runner"):  # draft model: its visible slots hold the cached tokens' K/V
+            n = int(p.runner.lengths[i])
+            assert p._cached[i][:n] == tokens[:n]
+            if n:
+                fresh = _fresh_keys(p.runner.model, tokens[:n])
+                torch.testing.assert_close(p.runner.cache.layers[0].keys[i, :, :n], fresh[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+def test_rollback_leaves_no_stale_visible_entries(setup, method):
+    runner, prop = make(setup, method)
+    dec = Checked(runner, prop, METHODS[method])
+    dec.target_model = setup.model
+    if method == "eagle3":
+        dec.proposer.capacity = 56  # small: the drafter cache is compacted (holes gathered out) on the way
+    with torch.no_grad():
+        out = dec.generate(setup.prompts, LIMITS, eos_token_id=setup.eos)
+    assert out.tokens == setup.ar and dec.checks > 5
+    if method == "eagle3":
+        assert dec.proposer.compactions > 0
+
+
+# ------------------------------------------------------------------- exact distribution (toy target, V=5)
+class BatchToyLM(nn.Module):
+    """The toy LM of tests/test_decoding.py over B rows: logits at position t are ``table[x_{t-1}, x_t]``; the
+    token history is kept in the model's cache (tokens stored as one-dimensional keys), read by position."""
+
+    def __init__(self, vocab: int, seed: int):
+        super().__init__()
+        self.config = tf.LlamaConfig(vocab_size=vocab, hidden_size=4, num_hidden_layers=1, num_attention_heads=1,
+                                     num_key_value_heads=1, intermediate_size=4, max_position_embeddings=64)
+        self.config._attn_implementation = "eager"
+        g = torch.Generator().manual_seed(seed)
+        self.V = vocab
+        self.table = nn.Parameter(torch.randn(vocab + 1, vocab, vocab, generator=g), requires_grad=False)
+        self.emb = nn.Parameter(torch.randn(vocab + 1, vocab, 4, generator=g), requires_grad=False)
+
+    def get_output_embeddings(self):
+        return None
+
+    def forward(self, input_ids, position_ids=None, cache=None, output_hidden_states=False, **kw):
+        x = input_ids.float()[:, None, :, None]
+        hist = cache.update(x, x, 0)[0][:, 0, :, 0].long()  # [B, kv]: slot = position
+        before = position_ids - 1
+        prev = torch.where(before >= 0, hist.gather(1, before.clamp_min(0)), self.V)
+        h = self.emb[prev, input_ids]
+        return SimpleNamespace(logits=self.table[prev, input_ids], hidden_states=(h, torch.tanh(h)))
+
+
+TOY_V, TOY_NEW = 5, 4
+TOY_PROMPTS = [[0, 1, 2, 3, 4, 0, 2, 4, 1, 3], [4, 4, 1], [2, 0, 3, 1, 0, 2, 2]]  # different last tokens
+
+
+def toy_law(target, prompt, T, k, p) -> np.ndarray:
+    """Exact P(y1..y4 | prompt) under the toy's processed distribution, ``[V, V, V, V]``."""
+    law, ctx = np.ones((1,)), [(prompt[-2], prompt[-1])]
+    for _ in range(TOY_NEW):
+        step = np.stack([process_logits(target.table[a, b].double(), T, k, p).double().numpy() for a, b in ctx])
+        law = (law[:, None] * step).ravel()
+        ctx = [(b, y) for a, b in ctx for y in range(TOY_V)]
+    return law.reshape((TOY_V,) * TOY_NEW)
+
+
+@pytest.mark.parametrize("name,T,k,p,n", [("draft_model", 1.0, 0, 1.0, 500), ("pld", 0.7, 0, 0.9, 500),
+                                          ("eagle3", 1.0, 4, 1.0, 300)])
+def test_batched_sampling_preserves_each_rows_distribution(name, T, k, p, n):
+    """B = 3 different prompts per batch: each row's first 4 tokens follow the target's exact law (χ²)."""
+    target = BatchToyLM(TOY_V, seed=1)
+    prop = {"draft_model": lambda: DraftModelProposer(BatchToyLM(TOY_V, seed=2)),
+            "pld": lambda: PromptLookupProposer(max_ngram=2, num_tokens=2),
+            "eagle3": lambda: Eagle3ChainProposer(toy_eagle3(), max_len=32)}[name]()
+    dec = BatchSpecDecoder(TargetRunner(target, taps=(0, 1, 1), max_len=32), prop, 2, temperature=T, top_k=k,
+                           top_p=p, seed=100)
+    counts = np.zeros((len(TOY_PROMPTS),) + (TOY_V,) * TOY_NEW)
+    drafted = accepted = 0
+    for _ in range(n):
+        out = dec.generate(TOY_PROMPTS, TOY_NEW)
+        for b, r in enumerate(out.results):
+            counts[(b, *r.tokens)] += 1
+            drafted, accepted = drafted + r.num_drafted, accepted + r.num_accepted
+    assert 0.05 < accepted / drafted < 0.95  # both the accept and the reject paths are exercised
+    for b, prompt in enumerate(TOY_PROMPTS):
+        law = toy_law(target, prompt, T, k, p)
+        pv = [_chi2(counts[b].sum(3), law.sum(3)), _chi2(counts[b].sum((0, 1)), law.sum((0, 1)))]
+        assert min(pv) > 1e-3, (b, pv)
+
+
+# --------------------------------------------------------------------------------------------- refusals
+def test_refusals_are_one_clear_line(setup):
+    runner, prop = make(setup, "pld")
+    with pytest.raises(DraftTrainError, match="supports chain methods only") as e:
+        BatchSpecDecoder(runner, PromptLookupTreeProposer(), 4)
+    assert CHAIN_ONLY in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(DraftTrainError, match="typical acceptance") as e:
+        BatchSpecDecoder(runner, prop, 4, temperature=1.0, typical=True)
+    assert "\n" not in str(e.value)
+    with pytest.raises(DraftTrainError, match="grammar") as e:
+        BatchSpecDecoder(runner, prop, 4).generate(setup.prompts, 4, grammar=object())
+    assert "\n" not in str(e.value)
