@@ -381,18 +381,18 @@ class _BatchEagle3(_BatchNone):
         self._n = self._n + real.sum(1)
 
     def _step(self, ids: Tensor, hidden: Tensor, positions: Tensor, real: Tensor):
-        """``drafter.step`` on ``m`` new slots per row: a query sees its row's valid slots and the real
-        entries of its block up to itself (a padding query: itself only)."""
+        """``drafter.step`` on ``m`` new slots per row (real entries first): a query sees its row's valid slots
+        and its block's entries up to itself."""
         B, m = ids.shape
         L = self.cache.length
         if L + m > self.capacity:
             raise ValueError(f"draft cache overflow: {L} + {m} > {self.capacity}")
-        eye = torch.eye(m, dtype=torch.bool, device=self.device)
-        block = (torch.ones(m, m, dtype=torch.bool, device=self.device).tril()[None] & real[:, None, :]) | eye
+        # a row's real entries come first in its block, so causality alone hides its padding from them
+        block = torch.ones(m, m, dtype=torch.bool, device=self.device).tril()[None].expand(B, m, m)
         mask = torch.cat([self.valid[:, None, :L].expand(B, m, L), block], dim=-1)
         out = self.drafter.step(ids, hidden, self.cache, position_ids=positions, attn_mask=mask)
         self.valid[:, L : L + m] = real
-        self.pos[:, L : L + m] = positions
+        self.pos[:, L : L + m] = torch.where(real, positions, -1)  # bookkeeping (-1: padding)
         return out
 
     def _ensure_room(self, m: int) -> None:
