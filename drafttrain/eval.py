@@ -216,6 +216,7 @@ class EvalRun:
     compiled: list
     spec: object = None  # SpecDecoder with the proposer, K
     labels: list | None = None  # (category, question id) per prompt: the report adds a row per category
+    batched: tuple | None = None  # decode.batch_size > 1: (AR, speculative) BatchSpecDecoder
 
     @property
     def is_tree(self) -> bool:
@@ -298,7 +299,61 @@ def prepare(model, tokenizer, prompts: list[list[int]], proposer, decode, *, met
     if len(grammars.decode) != len(prompts):
         raise ValueError(f"{len(grammars.decode)} grammars for {len(prompts)} prompts")
     run.compiled = grammars.compile(tokenizer, ar_runner.vocab_size, eos)
+    if int(getattr(decode, "batch_size", 1)) > 1:
+        run.batched = _batched_decoders(run, ar_runner)
     return run
+
+
+def _batched_decoders(run: EvalRun, ar_runner) -> tuple:
+    """``decode.batch_size > 1``: the AR and speculative ``BatchSpecDecoder`` (chain methods only)."""
+    from .decoding.batched import BatchSpecDecoder
+    from .decoding.proposers import NoDraft
+
+    d = run.decode
+    if run.is_oracle:
+        raise DraftTrainError("decode.batch_size>1 does not support decode.method=oracle (per-prompt references)")
+    if any(c is not None for c in run.compiled):
+        raise DraftTrainError("decode.batch_size>1 does not support grammar-constrained decoding (decode.grammar)")
+    ar = BatchSpecDecoder(ar_runner, NoDraft(), 0, seed=d.seed, **_sampling(d))
+    spec = BatchSpecDecoder(run.sp_runner, run.proposer, run.K, seed=d.seed, typical=bool(d.typical_acceptance),
+                            draft_temperature=d.draft_temperature, **_sampling(d))
+    return ar, spec
+
+
+def _measure_batched(run: EvalRun) -> Measured:
+    """``measure`` with ``decode.batch_size = B``: the prompts in groups of B, each group decoded by the batched
+    AR and speculative decoders back to back (alternating which goes first); a row's times are its share of
+    the group's (so the pooled tokens/s is the batch throughput)."""
+    from .decoding.engine import aggregate
+
+    decode, prompts, (ar, spec) = run.decode, run.prompts, run.batched
+    B, n_new = int(decode.batch_size), decode.max_new_tokens
+    groups = [list(range(i, min(i + B, len(prompts)))) for i in range(0, len(prompts), B)]
+    for _ in range(decode.warmup):  # untimed: one group
+        ar.generate([prompts[i] for i in groups[0]], min(16, n_new), run.eos)
+        spec.generate([prompts[i] for i in groups[0]], min(16, n_new), run.eos)
+    m = Measured([], [], [], [])
+    bar = _progress(decode.repeats * len(prompts), f"eval {run.method} vs AR, batch {B}")
+    for rep in range(decode.repeats):
+        for j, g in enumerate(groups):
+            ps, seed = [prompts[i] for i in g], decode.seed + g[0]
+            if (j + rep) % 2 == 0:
+                a = ar.generate(ps, n_new, run.eos, seed=seed)
+                s = spec.generate(ps, n_new, run.eos, seed=seed)
+            else:
+                s = spec.generate(ps, n_new, run.eos, seed=seed)
+                a = ar.generate(ps, n_new, run.eos, seed=seed)
+            for ra, rs in zip(a.results, s.results):
+                m.ar.append(ra)
+                m.spec.append(rs)
+                m.match.append(ra.tokens == rs.tokens)
+                if rep == 0:
+                    m.refs.append(ra.tokens)
+            bar.update(len(g))
+            bar.set_postfix_str(f"tau {aggregate(m.spec)['tau'] or 0:.2f}, pass {rep + 1}/{decode.repeats}",
+                                refresh=False)
+    bar.close()
+    return m
 
 
 def _warmup(run: EvalRun) -> None:
@@ -319,6 +374,8 @@ def measure(run: EvalRun) -> Measured:
     back to back, alternating which goes first (the oracle needs AR first)."""
     from .decoding.engine import aggregate
 
+    if run.batched:
+        return _measure_batched(run)
     decode, prompts = run.decode, run.prompts
     _warmup(run)
     m = Measured([], [], [], [])
@@ -350,7 +407,7 @@ def sweep(run: EvalRun, m: Measured) -> list[dict]:
 
     decode, proposer, prompts = run.decode, run.proposer, run.prompts
     lengths = sweep_lengths(decode, run.K, proposer)
-    if run.method == "ar" or decode.sweep_prompts <= 0 or not lengths:
+    if run.method == "ar" or decode.sweep_prompts <= 0 or not lengths or run.batched:  # (the sweep is batch 1)
         return []
     n = min(decode.sweep_prompts, len(prompts))
     base = aggregate(m.ar[:n])["tokens_per_s"]
@@ -432,7 +489,7 @@ def build_report(run: EvalRun, m: Measured, swept: list[dict], *, target_name: s
         **_draft_shape(run, S),
         "sweep": swept,
         "cache": run.sp_runner.cache_kind, "static_shapes": run.sp_runner.static_shapes,
-        "repeats": decode.repeats, "device": str(next(run.model.parameters()).device),
+        "repeats": decode.repeats, "batch_size": int(getattr(decode, "batch_size", 1)), "device": str(next(run.model.parameters()).device),
         "mismatched_prompts": [i for i, ok in enumerate(m.match) if not ok] if greedy else [],
         **_validity(run, m, S),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),

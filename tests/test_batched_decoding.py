@@ -250,3 +250,44 @@ def test_refusals_are_one_clear_line(setup):
     with pytest.raises(DraftTrainError, match="grammar") as e:
         BatchSpecDecoder(runner, prop, 4).generate(setup.prompts, 4, grammar=object())
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------ eval wiring
+@pytest.mark.parametrize("method", ["pld", "draft_model"])
+def test_eval_decode_batch_size_groups_the_prompts(method):
+    """``decode.batch_size=3`` on 5 prompts (a group of 3, then 2): same outputs and per-position statistics as
+    ``batch_size=1`` under greedy, AR and speculative both batched, the batch size in the report."""
+    from drafttrain.config import DecodeConfig
+    from drafttrain.decoding.build import make_proposer
+    from drafttrain.eval import evaluate
+
+    s = build("llama")
+    prompts = s.prompts + [s.prompts[0] * 3]
+    reps = {}
+    for B in (1, 3):
+        decode = DecodeConfig(method=method, num_draft_tokens=3, max_new_tokens=12, warmup=0, sweep_prompts=2,
+                              plot=False, batch_size=B)
+        prop = make_proposer(method, drafter=s.draft if method == "draft_model" else None, decode=decode,
+                             max_len=128)
+        reps[B] = evaluate(s.model, None, prompts, prop, decode, None, method=method, target_name="tiny",
+                           drafter_name=None)
+    one, three = reps[1], reps[3]
+    assert three["batch_size"] == 3 and one["batch_size"] == 1 and three["outputs_match_baseline"] is True
+    for key in ("tau", "alpha", "acceptance_per_position", "new_tokens"):
+        assert three[key] == one[key], key
+    assert three["sweep"] == [] and one["sweep"]  # the draft-length sweep stays batch 1
+    assert 1 < three["tau"] < 4
+
+
+def test_eval_batch_size_refuses_trees_in_one_line():
+    from drafttrain.config import DecodeConfig, TreeConfig
+    from drafttrain.decoding.build import make_proposer
+    from drafttrain.eval import evaluate
+
+    s = build("llama")
+    decode = DecodeConfig(method="pld", num_draft_tokens=3, max_new_tokens=8, warmup=0, sweep_prompts=0, plot=False,
+                          batch_size=2, tree=TreeConfig(enabled=True, depth=3, top_k=2, total_tokens=6))
+    prop = make_proposer("pld", decode=decode, max_len=128)
+    with pytest.raises(DraftTrainError, match="decode.batch_size>1 supports chain methods only") as e:
+        evaluate(s.model, None, s.prompts, prop, decode, None, method="pld", target_name="tiny", drafter_name=None)
+    assert "\n" not in str(e.value)
