@@ -185,6 +185,10 @@ class Eagle3Config:
     # side keeps [B, T, H] per step instead of [B, T, draft vocab] logits and softmaxes; for large
     # vocabularies (a little more compute)
     checkpoint_head: bool = False
+    # with compact_teacher: keep the target's last hidden state [B, T, H] and compute each TTT step's teacher
+    # logits for the rows it scores only, instead of storing [B, T, draft vocab] float32 logits (same loss; one
+    # more [N, H] x [H, draft vocab] matmul per step; for large draft vocabularies and long rows)
+    recompute_teacher: bool = False
     # EAGLE-3.1 (on by default: +21% τ at 100 steps on the built-in target, bench/training_quality.md)
     fc_norm: bool = True  # RMSNorm on each tap before fc
     norm_output: bool = True  # the next step reads the post-norm hidden state

@@ -69,20 +69,62 @@ class Eagle3Teacher:
 
     ``logits`` ``[B, T, Vd]`` float32 (target logits of the draft vocabulary, in draft-id order), ``lse``
     ``[B, T]`` float32 (log-sum-exp over the *full* target vocabulary) and ``top`` ``[B, T]`` long (the
-    full-vocabulary argmax, a target id)."""
+    full-vocabulary argmax, a target id).
 
-    logits: torch.Tensor
+    On-demand form (``logits`` is ``None``; ``eagle3.recompute_teacher``): ``hidden`` ``[B, T, H]`` (the
+    lm_head input) and the lm_head's draft-vocabulary ``rows`` ``[Vd, H]`` (with ``bias`` ``[Vd]`` and
+    ``softcap``) are kept instead, and :meth:`draft_logits` computes the logits of the rows a TTT step scores
+    only: memory ``[B, T, H]`` in the target's dtype instead of ``[B, T, Vd]`` float32."""
+
+    logits: torch.Tensor | None
     lse: torch.Tensor
     top: torch.Tensor
+    hidden: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
-        if self.logits.shape[:2] != self.lse.shape or self.lse.shape != self.top.shape:
-            raise ValueError(f"teacher shapes disagree: logits {tuple(self.logits.shape)}, lse "
+        if (self.logits is None) == (self.hidden is None) or (self.hidden is not None and self.rows is None):
+            raise ValueError("a teacher holds either its logits or the hidden state and lm_head rows")
+        lead = (self.logits if self.logits is not None else self.hidden).shape[:2]
+        if lead != self.lse.shape or self.lse.shape != self.top.shape:
+            raise ValueError(f"teacher shapes disagree: logits/hidden {tuple(lead)}, lse "
                              f"{tuple(self.lse.shape)}, top {tuple(self.top.shape)}")
 
     @property
     def shape(self) -> torch.Size:
         return self.top.shape
+
+    @property
+    def vocab_size(self) -> int:
+        """Vd, the draft vocabulary the logits cover."""
+        return self.logits.shape[-1] if self.logits is not None else self.rows.shape[0]
+
+    def draft_logits(self, sl: slice, valid: torch.Tensor) -> torch.Tensor:
+        """``[N, Vd]`` float32 logits at positions ``[:, sl]`` where ``valid`` (row-major), detached."""
+        if self.logits is not None:
+            return self.logits.detach()[:, sl][valid].float()
+        with torch.no_grad():
+            return _head_logits(self.hidden[:, sl][valid], self.rows, self.bias, self.softcap)
+
+    def dense_logits(self) -> torch.Tensor:
+        """``[B, T, Vd]`` float32 logits (built on demand in the on-demand form)."""
+        if self.logits is not None:
+            return self.logits
+        with torch.no_grad():
+            return _head_logits(self.hidden, self.rows, self.bias, self.softcap)
+
+
+def _head_logits(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    """``h @ w.T (+ bias)`` in ``w``'s dtype, then float32 and Gemma-style soft-capping ``c * tanh(x / c)``."""
+    x = torch.matmul(h.to(w.dtype), w.t())
+    if bias is not None:
+        x = x + bias
+    x = x.float()
+    if softcap:
+        x = float(softcap) * torch.tanh(x / float(softcap))
+    return x
 
 
 def teacher_from_logits(target_logits: torch.Tensor, d2t: torch.Tensor) -> Eagle3Teacher:
@@ -96,26 +138,19 @@ def teacher_from_logits(target_logits: torch.Tensor, d2t: torch.Tensor) -> Eagle
 @torch.no_grad()
 def teacher_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, d2t: torch.Tensor,
                         bias: torch.Tensor | None = None, softcap: float | None = None,
-                        chunk: int = 16384) -> Eagle3Teacher:
+                        chunk: int = 16384, on_demand: bool = False) -> Eagle3Teacher:
     """The compact teacher from the lm_head input ``hidden`` ``[B, T, H]`` and the head's ``weight``
     ``[V, H]`` (and ``bias``): draft-vocabulary rows selected by ``d2t``; the full log-normaliser and
     argmax accumulated over vocabulary chunks of ``chunk`` rows (peak extra memory ``[B, T, chunk]``).
-    ``softcap`` applies Gemma-style final-logit soft-capping ``c * tanh(x / c)`` first."""
+    ``softcap`` applies Gemma-style final-logit soft-capping ``c * tanh(x / c)`` first. ``on_demand``: keep
+    ``hidden`` and the selected rows instead of the draft-vocabulary logits (:class:`Eagle3Teacher`)."""
     V = weight.shape[0]
     h = hidden.to(weight.dtype)
 
     def logits_of(rows: torch.Tensor | slice) -> torch.Tensor:
-        w = weight[rows]
-        x = torch.matmul(h, w.t())
-        if bias is not None:
-            x = x + bias[rows]
-        x = x.float()
-        if softcap:
-            x = float(softcap) * torch.tanh(x / float(softcap))
-        return x
+        return _head_logits(h, weight[rows], None if bias is None else bias[rows], softcap)
 
     ids = d2t_target_ids(d2t).to(weight.device)
-    draft = logits_of(ids)
     lse = top = best = None
     for start in range(0, V, int(chunk)):
         x = logits_of(slice(start, min(V, start + int(chunk))))
@@ -128,7 +163,10 @@ def teacher_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, d2t: torch.T
             better = m > best  # strict: ties keep the earlier (lower) id, as argmax over the full row does
             best = torch.where(better, m, best)
             top = torch.where(better, arg + start, top)
-    return Eagle3Teacher(logits=draft, lse=lse, top=top)
+    if on_demand:
+        return Eagle3Teacher(logits=None, lse=lse, top=top, hidden=h, rows=weight[ids],
+                             bias=None if bias is None else bias[ids], softcap=softcap)
+    return Eagle3Teacher(logits=logits_of(ids), lse=lse, top=top)
 
 
 def _as_teacher(target, d2t: torch.Tensor | None) -> Eagle3Teacher:
@@ -205,7 +243,7 @@ def eagle3_step_stats(
         )
     if not isinstance(target, Eagle3Teacher) and target.shape[-1] != t2d.numel():
         raise ValueError("vocabulary sizes of the logits do not match d2t/t2d")
-    if draft_logits.shape[-1] != d2t.numel() or teacher.logits.shape[-1] != d2t.numel():
+    if draft_logits.shape[-1] != d2t.numel() or teacher.vocab_size != d2t.numel():
         raise ValueError("vocabulary sizes of the logits do not match d2t/t2d")
     valid = valid.bool()
     n = max(T - 1 - i, 0)
@@ -216,7 +254,7 @@ def eagle3_step_stats(
     if rows and q_logits.shape[0] != int(v.sum()):
         raise ValueError(f"{q_logits.shape[0]} draft rows for {int(v.sum())} valid positions")
     sl = slice(1 + i, 1 + i + n)
-    p_logits = teacher.logits.detach()[:, sl][v].float()               # [N, Vd]; the teacher is a constant
+    p_logits = teacher.draft_logits(sl, v)                             # [N, Vd]; the teacher is a constant
     p_lse = teacher.lse.detach()[:, sl][v].float()                     # [N]
     p_top = teacher.top[:, sl][v]                                      # [N]
     ids = d2t_target_ids(d2t).to(p_logits.device)

@@ -101,6 +101,9 @@ def _check_rules(job: str, cfg: DictConfig) -> None:
         raise DraftTrainError(f"eagle3.tap_layers={_fmt(cfg.eagle3.tap_layers)}: expected exactly 3 layer indices")
     if job == "train" and cfg.method == "draft_model":
         _check_distill(cfg.distill)
+    if job == "train" and cfg.method == "eagle3" and cfg.eagle3.recompute_teacher and not cfg.eagle3.compact_teacher:
+        raise DraftTrainError("eagle3.recompute_teacher=true needs eagle3.compact_teacher=true (it recomputes the "
+                              "compact teacher's draft-vocabulary logits)")
     if job == "train" and cfg.capture.mode == "offline":
         from .training.method import refuse_offline
 

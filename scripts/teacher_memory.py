@@ -4,7 +4,8 @@
     python scripts/teacher_memory.py --vocab 128256 --batch 2 --seq 512 --out bench/results/teacher_memory.json
 
 A tiny random Llama target with a V-token vocabulary (the memory of interest is the [B, T, V] teacher);
-each arm runs in its own process (one thread): capture (target forward + teacher), the TTT loss and the
+each arm runs in its own process (one thread; arms: full logits, compact teacher, + eagle3.checkpoint_head,
++ eagle3.recompute_teacher): capture (target forward + teacher), the TTT loss and the
 backward of one micro-batch. Reported: the step's peak resident memory above the process's level before
 it (sampled every millisecond), for the capture alone and for the whole step, and the loss (the arms must
 agree to 1e-5 relative). Each arm runs with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every large
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+ARMS = ("full", "compact", "compact+checkpoint_head", "compact+checkpoint_head+recompute_teacher")
 
 
 def _current_mb() -> float:
@@ -52,7 +54,8 @@ class PeakSampler:
         self.peak = max(self.peak, _current_mb())
 
 
-def arm(compact: bool, vocab: int, batch: int, seq: int, ttt: int, draft_vocab: int, ckpt: bool) -> dict:
+def arm(compact: bool, vocab: int, batch: int, seq: int, ttt: int, draft_vocab: int, ckpt: bool,
+        recompute: bool = False) -> dict:
     import torch
     import transformers as tf
 
@@ -73,7 +76,8 @@ def arm(compact: bool, vocab: int, batch: int, seq: int, ttt: int, draft_vocab: 
     g = torch.Generator().manual_seed(1)
     examples = [{"input_ids": torch.randint(3, vocab, (seq,), generator=g).tolist(), "loss_mask": [0] * 8 + [1] * (seq - 8)}
                 for _ in range(batch)]
-    cfg = Eagle3Config(ttt_steps=ttt, compact_teacher=compact, draft_vocab_size=draft_vocab, checkpoint_head=ckpt)
+    cfg = Eagle3Config(ttt_steps=ttt, compact_teacher=compact, draft_vocab_size=draft_vocab, checkpoint_head=ckpt,
+                       recompute_teacher=recompute)
     m = Eagle3Method(cfg, Tok(), target)
     d = m.build_drafter(target, examples, "random-128k")
     b = collate(examples, 0)
@@ -87,7 +91,8 @@ def arm(compact: bool, vocab: int, batch: int, seq: int, ttt: int, draft_vocab: 
         counts = m.count_valid(d, b, cap)
         loss, _ = m.loss(d, d, b, cap, counts, 1.0)
         loss.backward()
-    return {"compact_teacher": compact, "checkpoint_head": ckpt, "loss": float(loss.detach()), "base_mb": base,
+    return {"compact_teacher": compact, "checkpoint_head": ckpt, "recompute_teacher": recompute,
+            "loss": float(loss.detach()), "base_mb": base,
             "capture_peak_above_base_mb": cap_peak.peak - base,
             "step_peak_above_base_mb": max(cap_peak.peak, step_peak.peak) - base}
 
@@ -99,30 +104,32 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--draft-vocab", type=int, default=32000)
-    ap.add_argument("--arm", choices=["full", "compact", "compact+checkpoint_head"], help=argparse.SUPPRESS)
+    ap.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     if a.arm:
         print(json.dumps(arm(a.arm != "full", a.vocab, a.batch, a.seq, a.ttt, a.draft_vocab,
-                             a.arm == "compact+checkpoint_head")))
+                             "checkpoint_head" in a.arm, "recompute_teacher" in a.arm)))
         return 0
     res = {}
-    for name in ("full", "compact", "compact+checkpoint_head"):
+    for name in ARMS:
         out = subprocess.run([sys.executable, __file__, "--arm", name, "--vocab", str(a.vocab), "--batch",
                               str(a.batch), "--seq", str(a.seq), "--ttt", str(a.ttt), "--draft-vocab",
                               str(a.draft_vocab)], check=True, stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}).stdout
         res[name] = json.loads(out.strip().splitlines()[-1])
         print(name, res[name], flush=True)
-    f, c, k = res["full"], res["compact"], res["compact+checkpoint_head"]
+    f, c, k, r = (res[n] for n in ARMS)
     summary = {"settings": vars(a) | {"out": str(a.out)}, **res,
                "capture_ratio": f["capture_peak_above_base_mb"] / max(c["capture_peak_above_base_mb"], 1e-9),
                "step_ratio": f["step_peak_above_base_mb"] / max(c["step_peak_above_base_mb"], 1e-9),
                "step_ratio_with_checkpoint_head": f["step_peak_above_base_mb"] / max(k["step_peak_above_base_mb"], 1e-9),
-               "loss_rel_diff": max(abs(f["loss"] - x["loss"]) / abs(f["loss"]) for x in (c, k))}
+               "step_ratio_with_recompute_teacher": f["step_peak_above_base_mb"] / max(r["step_peak_above_base_mb"], 1e-9),
+               "loss_rel_diff": max(abs(f["loss"] - x["loss"]) / abs(f["loss"]) for x in (c, k, r))}
     summary["settings"].pop("arm", None)
     print(f"peak memory full/compact: capture {summary['capture_ratio']:.2f}x, whole step {summary['step_ratio']:.2f}x, "
-          f"whole step with checkpoint_head {summary['step_ratio_with_checkpoint_head']:.2f}x; loss relative "
+          f"whole step with checkpoint_head {summary['step_ratio_with_checkpoint_head']:.2f}x, with checkpoint_head "
+          f"and recompute_teacher {summary['step_ratio_with_recompute_teacher']:.2f}x; loss relative "
           f"difference {summary['loss_rel_diff']:.1e}", flush=True)
     if a.out:
         from drafttrain.io import write_json  # atomic; makes the parent directory

@@ -12,8 +12,8 @@ import transformers as tf
 
 from drafttrain.data.chat import collate
 from drafttrain.data.packing import collate_packed, pack_features, pack_groups, padding_ratio
-from drafttrain.losses import (eagle3_step_stats, eagle3_valid_mask, same_document, teacher_from_hidden,
-                               teacher_from_logits)
+from drafttrain.losses import (Eagle3Teacher, eagle3_step_stats, eagle3_valid_mask, same_document,
+                               teacher_from_hidden, teacher_from_logits)
 
 from .test_train_methods import _cfg
 
@@ -169,6 +169,7 @@ def _loss_and_grads(m, d, batches):
 @pytest.mark.parametrize("kind,over", [
     ("eagle3", {}), ("eagle3_tv", {"loss": "tv"}), ("eagle3_lk", {"loss": "lk_hybrid"}),
     ("eagle3_full_teacher", {"compact_teacher": False}), ("eagle3_ckpt", {"checkpoint_head": True}),
+    ("eagle3_recompute", {"recompute_teacher": True, "checkpoint_head": True}),
     ("medusa1", {}), ("medusa2", {}), ("distill_fkl", {"loss": "fkl"}), ("distill_ce", {"loss": "ce"}),
 ])
 def test_packed_equals_padded(kind, over):
@@ -274,6 +275,40 @@ def test_checkpoint_head_gives_the_same_loss_and_gradients():
     assert l1 == pytest.approx(l0, rel=1e-6) and s1 == pytest.approx(s0, rel=1e-6)
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7)
+
+
+def test_on_demand_teacher_equals_the_stored_one():
+    """eagle3.recompute_teacher keeps [B, T, H] and the lm_head's draft rows, not [B, T, Vd] logits; the
+    logits it computes per step, the loss, the metrics and the gradients are the stored teacher's."""
+    torch.manual_seed(3)
+    B, T, H, Vt = 2, 6, 8, 29
+    hidden, w, bias = torch.randn(B, T, H), torch.randn(Vt, H), torch.randn(Vt)
+    d2t = torch.tensor([0, 1, 1, 4, 4, 10])
+    stored = teacher_from_hidden(hidden, w, d2t, bias=bias, softcap=4.0, chunk=7)
+    lazy = teacher_from_hidden(hidden, w, d2t, bias=bias, softcap=4.0, chunk=7, on_demand=True)
+    assert lazy.logits is None and lazy.hidden.shape == (B, T, H) and lazy.vocab_size == 6
+    torch.testing.assert_close(lazy.dense_logits(), stored.logits, rtol=1e-5, atol=1e-5)
+    v = torch.rand(B, T - 1) > 0.3
+    torch.testing.assert_close(lazy.draft_logits(slice(1, T), v), stored.logits[:, 1:][v], rtol=1e-5, atol=1e-5)
+    t2d = torch.zeros(Vt, dtype=torch.bool)
+    t2d[torch.arange(6) + d2t] = True
+    am = torch.ones(B, T, dtype=torch.long)
+    valid = eagle3_valid_mask(T, am, am, stored, t2d, 1)
+    assert torch.equal(valid, eagle3_valid_mask(T, am, am, lazy, t2d, 1))
+    valid[:, : T - 3] = True
+    for kind in ("ce", "tv"):
+        grads = []
+        for teacher in (stored, lazy):
+            draft = torch.randn(B, T, 6, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+            st = eagle3_step_stats(draft, teacher, valid, d2t, t2d, 1, loss=kind)
+            st["loss_sum"].backward()
+            grads.append((st, draft.grad))
+        (a, ga), (b, gb) = grads
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="either its logits or"):
+        Eagle3Teacher(logits=None, lse=stored.lse, top=stored.top)
 
 
 def test_step_stats_on_gathered_rows_equal_full_logits():

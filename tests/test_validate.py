@@ -132,6 +132,7 @@ def _job(name, **updates):
     ("train", {"train.batch_size": 12, "train.micro_batch_size": 8}, "train.batch_size=12: must be a multiple"),
     ("train", {"train.betas": [0.9]}, "train.betas=[0.9]: expected two"),
     ("train", {"eagle3.tap_layers": [1, 2]}, "eagle3.tap_layers=[1,2]: expected exactly 3"),
+    ("train", {"eagle3.recompute_teacher": True, "eagle3.compact_teacher": False}, "eagle3.recompute_teacher=true needs"),
     ("train", {"method": "draft_model", "distill.loss": "fkl:0.5,kl2"}, "distill.loss=fkl:0.5,kl2"),
     ("train", {"method": "draft_model", "distill.init": "from_pretrained"}, "distill.pretrained is required"),
     ("train", {"target.builtin.hidden_size": 190}, "target.builtin.hidden_size=190: must be a multiple"),

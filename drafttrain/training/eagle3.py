@@ -29,7 +29,7 @@ class Capture:
     @property
     def logits(self) -> torch.Tensor:
         """The teacher's logits ``[B, T, Vd]`` in draft-id order (the full vocabulary before a drafter exists)."""
-        return self.teacher.logits
+        return self.teacher.dense_logits()
 
 
 def _softcap(model) -> float | None:
@@ -37,11 +37,12 @@ def _softcap(model) -> float | None:
     return getattr(cfg, "final_logit_softcapping", None) or None
 
 
-def compact_teacher(target_model, hidden: torch.Tensor, d2t: torch.Tensor) -> Eagle3Teacher:
-    """The teacher from the lm_head input ``hidden`` (the target's last, post-norm hidden state)."""
+def compact_teacher(target_model, hidden: torch.Tensor, d2t: torch.Tensor, on_demand: bool = False) -> Eagle3Teacher:
+    """The teacher from the lm_head input ``hidden`` (the target's last, post-norm hidden state); ``on_demand``:
+    its draft-vocabulary logits computed per TTT step from ``hidden`` (``eagle3.recompute_teacher``)."""
     head = target_model.get_output_embeddings()
     return teacher_from_hidden(hidden, head.weight, d2t.to(head.weight.device), bias=getattr(head, "bias", None),
-                               softcap=_softcap(target_model))
+                               softcap=_softcap(target_model), on_demand=on_demand)
 
 
 def ttt_depth(step: int, ttt_steps: int, curriculum: int) -> int:
@@ -72,6 +73,7 @@ class Eagle3Method(MethodDefaults):
         self.loss_kind = cfg.loss
         self.compact = bool(cfg.compact_teacher)
         self.checkpoint_head = bool(cfg.checkpoint_head)
+        self.recompute_teacher = bool(cfg.recompute_teacher)
 
     def build_drafter(self, target_model, examples, target_name: str) -> Eagle3Drafter:
         V = target_model.get_output_embeddings().weight.shape[0]
@@ -110,7 +112,7 @@ class Eagle3Method(MethodDefaults):
         else:
             out = decoder(input_ids=batch["input_ids"], **lm_inputs(batch), output_hidden_states=True,
                           use_cache=False)
-            teacher = compact_teacher(target_model, out.last_hidden_state, d2t)
+            teacher = compact_teacher(target_model, out.last_hidden_state, d2t, self.recompute_teacher)
         taps = gather_taps(out.hidden_states, self.taps)
         return Capture(taps=taps, teacher=teacher)
 
@@ -123,7 +125,8 @@ class Eagle3Method(MethodDefaults):
         last hidden state (the lm_head input), as in the online forward."""
         d2t = self._teacher_rows(target_model)
         if self.compact:
-            return Capture(taps=feats["taps"], teacher=compact_teacher(target_model, feats["last_hidden"], d2t))
+            return Capture(taps=feats["taps"], teacher=compact_teacher(target_model, feats["last_hidden"], d2t,
+                                                                       self.recompute_teacher))
         head = target_model.get_output_embeddings()
         logits = head(feats["last_hidden"].to(head.weight.dtype)).float()
         return Capture(taps=feats["taps"], teacher=teacher_from_logits(logits, d2t.to(logits.device)))
