@@ -14,7 +14,7 @@ from torch import nn
 
 from drafttrain.decoding import (DraftModelProposer, Eagle3ChainProposer, MedusaChainProposer, NoDraft,
                                  PromptLookupProposer, PromptLookupTreeProposer, SpecDecoder, TargetRunner,
-                                 process_logits)
+                                 process_logits, verify_chain_greedy)
 from drafttrain.decoding.batched import CHAIN_ONLY, BatchSpecDecoder
 from drafttrain.drafters.eagle3 import Eagle3Drafter
 from drafttrain.drafters.medusa import MedusaHeads
@@ -236,6 +236,21 @@ def test_batched_sampling_preserves_each_rows_distribution(name, T, k, p, n):
         law = toy_law(target, prompt, T, k, p)
         pv = [_chi2(counts[b].sum(3), law.sum(3)), _chi2(counts[b].sum((0, 1)), law.sum((0, 1)))]
         assert min(pv) > 1e-3, (b, pv)
+
+
+def test_vectorised_greedy_verification_is_verify_chain_greedy_per_row():
+    """The batched greedy rule equals ``verify_chain_greedy`` row by row, padding never counts as a draft (here
+    the padding token 0 is the target's argmax everywhere, so a padded slot would be "accepted")."""
+    from drafttrain.decoding.batched import _verify_greedy, _pad_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 5, 7, generator=g)
+    logits[:, :, 0] += 100.0 * (torch.rand(4, 5, generator=g) < 0.7)  # argmax 0 at most positions
+    rows = [[3, 0, 0, 0, 0], [3, 0], [3], [3, 0, 0, 5]]  # pending, then the drafts (0: often right)
+    ids, n = _pad_rows(rows, "cpu")
+    got = _verify_greedy(ids, n, logits)
+    assert got == [verify_chain_greedy(r[1:], logits[b, : len(r)]) for b, r in enumerate(rows)]
+    assert any(a < len(r) - 1 for (a, _), r in zip(got, rows)) and got[1][0] <= 1 and got[2][0] == 0
 
 
 # --------------------------------------------------------------------------------------------- refusals

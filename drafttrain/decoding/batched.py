@@ -470,6 +470,16 @@ def _batch_proposer(proposer, max_len: int, K: int):
     raise DraftTrainError(f"{CHAIN_ONLY}: no batched version of proposer {getattr(proposer, 'name', proposer)!r}")
 
 
+def _verify_greedy(ids: Tensor, n: Tensor, logits: Tensor) -> list[tuple[int, int]]:
+    """``verify_chain_greedy`` for every row at once (one host sync): row b verified ``[pending, d_1..d_k]`` =
+    ``ids[b, :n[b]]`` with ``logits [B, N, V]``; returns ``(a, target argmax after d_a)`` per row."""
+    am = logits.argmax(-1)  # [B, N]
+    N = ids.shape[1]
+    real = torch.arange(1, N, device=ids.device)[None] < n[:, None]  # the drafts of each row
+    a = torch.cumprod(((ids[:, 1:] == am[:, :-1]) & real).long(), dim=1).sum(1)
+    return [tuple(v) for v in torch.stack([a, am.gather(1, a[:, None])[:, 0]], 1).tolist()]
+
+
 # ------------------------------------------------------------------------------------------ decoder
 @dataclass
 class BatchGenerationResult:
@@ -587,6 +597,15 @@ class BatchSpecDecoder:
             self.proposer.select_rows(keep)
         return [rows[i] for i in keep]
 
+    def _verify_rows(self, drafts: list[list[int]], qs: list, logits: Tensor) -> list[tuple[int, int]]:
+        """``(a, next token)`` per row by the batch-1 decoder's rule (rejection sampling with its generator)."""
+        out = []
+        for i, row in enumerate(drafts):
+            d = torch.tensor(row, dtype=torch.long, device=logits.device)
+            q = qs[i] if qs[i] is None or qs[i].shape[0] else None
+            out.append(tuple(int(x) for x in self.one._verify_chain(d, q, logits[i, : len(row) + 1])))
+        return out
+
     def _round(self, rows, tokens, results, limits, eos) -> list[int]:
         """One verify round for the active rows: draft, verify every row's chain in one batched target
         forward, roll each row back by index to its own accepted length."""
@@ -601,11 +620,9 @@ class BatchSpecDecoder:
         drafts = [list(d)[:k] for d, k in zip(drafts, ks)]
         ids, n = _pad_rows([[tokens[b][-1]] + d for b, d in zip(rows, drafts)], target.device)
         logits, taps = target.forward(ids, n)
+        verdicts = _verify_greedy(ids, n, logits) if self.sampling.greedy else self._verify_rows(drafts, qs, logits)
         accepted, done = [], []
-        for i, b in enumerate(rows):
-            d = torch.tensor(drafts[i], dtype=torch.long, device=target.device)
-            q = qs[i] if qs[i] is None or qs[i].shape[0] else None
-            a, bonus = (int(x) for x in self.one._verify_chain(d, q, logits[i, : len(drafts[i]) + 1]))
+        for i, (b, (a, bonus)) in enumerate(zip(rows, verdicts)):
             accepted.append(a)
             _record_round(results[b], len(drafts[i]), len(drafts[i]), a)
             committed = drafts[i][:a] + [bonus]
