@@ -175,10 +175,12 @@ class BatchRunner:
         return {"full_attention": one(None), "sliding_attention": one(self.window)}
 
     @torch.no_grad()
-    def forward(self, ids: Tensor, n_real: Tensor | Sequence[int] | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, ids: Tensor, n_real: Tensor | Sequence[int] | None = None,
+                last_only: bool = False) -> tuple[Tensor, Tensor | None]:
         """Append ``ids [B, n]`` (row b's real tokens first, ``n_real[b]`` of them; default all n) at each row's
         pointer; the pointers advance by ``n_real``. Returns ``(logits [B, n, V] float32, taps [B, n, D] or
-        None)``; rows past a row's ``n_real`` are padding (their outputs mean nothing)."""
+        None)``; rows past a row's ``n_real`` are padding (their outputs mean nothing). ``last_only``: logits
+        ``[B, 1, V]`` at each row's last real token only (a prefill: the LM head runs on those positions)."""
         B, n = ids.shape
         if B != self.batch_size:
             raise ValueError(f"batch of {B} rows, the runner holds {self.batch_size}")
@@ -193,9 +195,16 @@ class BatchRunner:
         if self.timing:
             _sync(self.device)
         t0 = time.perf_counter()
+        keep = 0
+        if last_only:  # the rows' last positions (one set for every row: HF slices the sequence dim)
+            keep, where = torch.unique(real - 1, sorted=True, return_inverse=True)
         out = self.model(input_ids=ids.to(self.device), position_ids=slots, attention_mask=self._mask(slots, kv),
-                         cache=self.cache, use_cache=True, output_hidden_states=self.taps is not None)
+                         cache=self.cache, use_cache=True, output_hidden_states=self.taps is not None,
+                         logits_to_keep=keep)
         logits = out.logits.float()
+        if last_only:  # (a model that ignores logits_to_keep returns every position)
+            at = where if logits.shape[1] == keep.numel() else real - 1
+            logits = logits[torch.arange(B, device=logits.device), at.to(logits.device)][:, None]
         taps = gather_taps(out.hidden_states, self.taps) if self.taps is not None else None
         if self.timing:
             _sync(self.device)
@@ -328,8 +337,7 @@ class _BatchDraftModel(_BatchNone):
             return super().propose(tokens, ks, sampling)
         feed = self._rollback(tokens)
         ids, n = _pad_rows(feed, self.runner.device)
-        logits, _ = self.runner.forward(ids, n)
-        z = logits[torch.arange(len(feed), device=logits.device), n - 1]
+        z = self.runner.forward(ids, n, last_only=True)[0][:, 0]
         drafts, qs = [], []
         for i in range(k):
             drafts.append(_draft_tokens(self.proposer._to_target_vocab(z), sampling, qs))
@@ -577,8 +585,8 @@ class BatchSpecDecoder:
         sp = self.sampling
         self.target.reset(len(rows))
         ids, lens = _pad_rows([prompts[b] for b in rows], self.target.device)
-        logits, taps = self.target.forward(ids, lens)
-        last = logits[torch.arange(len(rows), device=logits.device), lens - 1]
+        logits, taps = self.target.forward(ids, lens, last_only=True)
+        last = logits[:, 0]
         first = (last.argmax(-1) if sp.greedy else sample(sp.process(last), self.generator)).tolist()
         done = []
         for b, tok in zip(rows, first):
