@@ -201,6 +201,21 @@ def _check_decode(d: DictConfig, job: str) -> None:
     _ascending(d.buckets, "decode.buckets")
     if d.grammar is not None and str(d.grammar).lower() != "none":
         check_grammar(str(d.grammar))
+    _check_batch(d)
+
+
+def _check_batch(d: DictConfig) -> None:
+    """``decode.batch_size > 1`` (drafttrain/decoding/batched.py): chain methods only, eager, unconstrained."""
+    if d.batch_size <= 1:
+        return
+    off = [(d.tree.enabled, "decode.tree.enabled=true"), (d.method == "oracle", "decode.method=oracle"),
+           (d.grammar is not None and str(d.grammar).lower() != "none", f"decode.grammar={d.grammar}"),
+           (d.typical_acceptance and d.temperature > 0, "decode.typical_acceptance=true"),
+           (d.static_shapes, "decode.static_shapes=true")]
+    bad = [what for on, what in off if on]
+    if bad:
+        raise DraftTrainError(f"decode.batch_size={d.batch_size}: decode.batch_size>1 supports chain methods only "
+                              f"(ar, pld, eagle3, medusa, draft_model), eager and unconstrained; not {', '.join(bad)}")
 
 
 def _ascending(values, key: str) -> None:

@@ -144,6 +144,11 @@ def _job(name, **updates):
     ("eval", {"decode.tree.enabled": True, "decode.tree.depth": 2, "decode.tree.top_k": 2,
               "decode.tree.total_tokens": 7}, "decode.tree.total_tokens=7: must be <= "),
     ("eval", {"decode.buckets": [1, 4, 2]}, "decode.buckets=[1,4,2]: must be strictly increasing"),
+    ("eval", {"decode.batch_size": 4, "decode.tree.enabled": True}, "decode.batch_size=4: decode.batch_size>1 "
+     "supports chain methods only (ar, pld, eagle3, medusa, draft_model), eager and unconstrained; not "
+     "decode.tree.enabled=true"),
+    ("eval", {"decode.batch_size": 2, "decode.grammar": "json", "decode.static_shapes": True},
+     "not decode.grammar=json, decode.static_shapes=true"),
     ("eval", {"decode.grammar": "regex:a{2,1}"}, "decode.grammar (regex:a{2,1}): not a valid grammar"),
     ("eval", {"decode.grammar": '{"type": "object", "properties": 3}'}, "decode.grammar"),
     ("tune", {"tree_sizes": [8, 8]}, "tree_sizes=[8,8]: must be strictly increasing"),
@@ -160,6 +165,7 @@ def test_the_defaults_and_edge_values_pass(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     check_job("train", _job("train"))
     check_job("eval", _job("eval", **{"decode.method": "ar", "decode.num_draft_tokens": 0, "decode.top_p": 1.0}))
+    check_job("eval", _job("eval", **{"decode.batch_size": 8, "decode.method": "pld", "decode.typical_acceptance": True}))
     check_job("eval", _job("eval", **{"decode.tree.enabled": True, "decode.tree.depth": 2, "decode.tree.top_k": 2,
                                       "decode.tree.total_tokens": 6, "decode.grammar": "regex:[a-z]{2,4}"}))
     monkeypatch.setenv("WORLD_SIZE", "2")
