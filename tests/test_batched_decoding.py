@@ -110,6 +110,22 @@ def test_batched_greedy_equals_batch1(setup, method):
         assert s["tau"] == 1.0
 
 
+@pytest.mark.parametrize("method", ["pld", "eagle3"])
+def test_a_full_row_ends_as_at_batch_1(method):
+    """A target ``max_len`` that the 40-token prompt's row fills first: that row stops where batch 1 stops (the
+    cache holds all but the pending token) while the others go on."""
+    s = build("llama")
+    K, limit = METHODS[method], 30
+    runner, prop = make(s, method)
+    runner.max_len = 50
+    out = BatchSpecDecoder(runner, prop, K).generate(s.prompts, limit)
+    runner1, prop1 = make(s, method)
+    runner1.max_len = 50
+    one = [SpecDecoder(runner1, prop1, K).generate(p, limit).tokens for p in s.prompts]
+    assert out.tokens == one
+    assert len(out.tokens[1]) == 50 - 40 + 1 and all(len(t) == limit for i, t in enumerate(out.tokens) if i != 1)
+
+
 def _fresh_keys(model, tokens: list[int]):
     """Per layer K ``[H, n, D]`` of a fresh batch-1 prefill of ``tokens`` (no cache reuse at all)."""
     with torch.no_grad():
