@@ -126,6 +126,17 @@ def test_a_full_row_ends_as_at_batch_1(method):
     assert len(out.tokens[1]) == 50 - 40 + 1 and all(len(t) == limit for i, t in enumerate(out.tokens) if i != 1)
 
 
+def test_sliding_window_target():
+    """A Mistral target whose window (8) is shorter than the prompts: the batched mask applies it by position."""
+    torch.manual_seed(0)
+    model = tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=8)).eval()
+    prompts = build("llama").prompts
+    ref = [SpecDecoder(TargetRunner(model, max_len=MAX_LEN), NoDraft(), 0).generate(p, 12).tokens for p in prompts]
+    runner = TargetRunner(model, max_len=MAX_LEN)
+    assert BatchSpecDecoder(runner, NoDraft(), 0).generate(prompts, 12).tokens == ref
+    assert BatchSpecDecoder(runner, PromptLookupProposer(num_tokens=3), 3).generate(prompts, 12).tokens == ref
+
+
 def _fresh_keys(model, tokens: list[int]):
     """Per layer K ``[H, n, D]`` of a fresh batch-1 prefill of ``tokens`` (no cache reuse at all)."""
     with torch.no_grad():
