@@ -1,4 +1,6 @@
-"""Speculative decoding: target runner, verification rules (chain and tree), proposers and the decoder."""
+"""Speculative decoding: target runner, verification rules (chain and tree), proposers and the decoder (batch 1:
+``SpecDecoder``; B prompts together, chains: ``BatchSpecDecoder``)."""
+from .batched import BatchGenerationResult, BatchSpecDecoder
 from .engine import GenerationResult, SpecDecoder, aggregate
 from .proposers import (
     DraftModelProposer,
@@ -36,6 +38,8 @@ from .tree import (
 )
 
 __all__ = [
+    "BatchGenerationResult",
+    "BatchSpecDecoder",
     "DEFAULT_MEDUSA_CHOICES",
     "DraftModelProposer",
     "DraftTree",

@@ -25,8 +25,9 @@ proposer. When the buffer would overflow, each row's valid entries are gathered 
 (``Eagle3Cache.keep`` with per-row indices). Medusa and prompt lookup are stateless per round (the target's
 last hidden state per row; the batch-1 n-gram lookup per row).
 
-Verification is the batch-1 rule row by row (``verify_chain_greedy`` / ``verify_chain_sampling``) with the
-decoder's one generator, so greedy rows equal their batch-1 AR output and sampling is lossless per row.
+Verification is the batch-1 rule: greedy ``verify_chain_greedy`` vectorised over the rows (one host sync per
+round), sampling the batch-1 decoder's ``verify_chain_sampling`` row by row with its one generator; so greedy
+rows equal their batch-1 AR output and sampling is lossless per row.
 Statistics: a :class:`~drafttrain.decoding.engine.GenerationResult` per row (rounds, committed tokens, tau,
 accepted / reached per position); a row's times are the batch's times divided by the batch size, so
 ``aggregate`` over the rows gives the batch's throughput.
