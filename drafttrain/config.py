@@ -315,6 +315,9 @@ class DecodeConfig:
     num_prompts: int = num(0, ge=0)  # prompts decoded, of the data.num_eval evaluation set (0: all of them)
     # prompts decoded together (> 1: drafttrain/decoding/batched.py, in groups of B; chain methods only, eager)
     batch_size: int = num(1, ge=1)
+    # speedup against batch size: every B decodes the same prompts, batched AR vs batched speculative, with a
+    # predicted speedup and the crossover (drafttrain/batch_sweep.py); [] = none; needs >= max(B) prompts
+    batch_sizes: List[int] = nums(list, ge=1)
     seed: int = num(0, ge=0)
     repeats: int = num(1, ge=1)  # timed passes over the prompts (AR and speculative interleaved per prompt)
     warmup: int = num(1, ge=0)  # untimed warm-ups before timing (one prompt; with compile, a pass over every prompt)

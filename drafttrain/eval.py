@@ -521,6 +521,12 @@ def write_report(report: dict, run_dir: Path | None, decode) -> None:
         plot_acceptance(report, run_dir / "acceptance.png")
     if decode.plot and report["sweep"]:
         plot_speedup(report, run_dir / "speedup.png")
+    if report.get("batch_sweep"):
+        from .batch_sweep import format_table, plot_batch_sweep
+
+        print(format_table(report["batch_sweep"]), flush=True)
+        if decode.plot:
+            plot_batch_sweep(report["batch_sweep"], run_dir / "batch_speedup.png")
     print(f"[drafttrain] report: {run_dir / 'report.json'}", flush=True)
 
 
@@ -551,6 +557,10 @@ def evaluate(model, tokenizer, prompts: list[list[int]], proposer, decode, run_d
     measured = measure(run)
     report = build_report(run, measured, sweep(run, measured), target_name=target_name, drafter_name=drafter_name,
                           train_estimated_tau=train_estimated_tau, extra=extra)
+    if list(getattr(decode, "batch_sizes", None) or []):
+        from .batch_sweep import batch_sweep
+
+        report["batch_sweep"] = batch_sweep(run, decode.batch_sizes)
     write_report(report, run_dir, decode)
     return report
 

@@ -1,0 +1,217 @@
+"""Speedup against batch size: where speculative decoding stops paying (``drafttrain eval decode.batch_sizes=[…]``).
+
+For each batch size B the same prompts are decoded in groups of B by the batched AR and speculative decoders
+(:mod:`drafttrain.decoding.batched`, through ``eval._measure_batched``: the two interleaved per group), giving AR
+tokens/s, speculative tokens/s, τ, α per position and the speedup, side by side. Batch 1 is also run on
+today's batch-1 path (:class:`~drafttrain.decoding.engine.SpecDecoder`), so a regression of the batched code
+at B = 1 shows as a ratio measured in the same run.
+
+Beside every measurement, a prediction a user can carry to other hardware: from the batch-1 run's acceptance
+per position ``α_i`` (P(position i accepted | reached)) the expected committed tokens per round
+``τ̂ = 1 + Σ_{j≤K} Π_{i≤j} α_i``; from micro-benchmarks of the target, ``c_T(B, n)``, the seconds of one
+forward of n new tokens per row for B rows at the prompts' typical context; and the drafter's measured seconds
+per round at B, ``c_D(B)`` (its share of the batched run). Then
+
+    predicted speedup(B) = τ̂ · c_T(B, 1) / (c_T(B, K + 1) + c_D(B))
+
+AR costs c_T(B, 1) per token per row; a speculative round costs a (K+1)-token verify plus the drafts and
+commits τ̂ tokens per row. Speculation stops paying when the verify of K + 1 tokens costs about τ̂ forwards of
+one (compute-bound decoding), or when τ̂ is small. The *crossover* is the smallest measured B whose speedup is
+below 1 (``None``: none up to the largest B). The prediction ignores rows finishing at different rounds
+(the batch shrinks) and the decoder's own per-round work; ``prediction_error`` says how far off it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .io import DraftTrainError
+
+
+def _with_batch(decode, batch_size: int):
+    """``decode`` with ``batch_size`` set (a copy: a dataclass or an OmegaConf node)."""
+    if dataclasses.is_dataclass(decode):
+        return dataclasses.replace(decode, batch_size=int(batch_size))
+    from omegaconf import OmegaConf
+
+    out = OmegaConf.create(OmegaConf.to_container(decode))
+    out.batch_size = int(batch_size)
+    return out
+
+
+def expected_tau(alpha_per_position: Sequence[float | None], K: int) -> float:
+    """``1 + Σ_{j≤K} Π_{i≤j} α_i`` (a position never reached counts as never accepted)."""
+    tau, reach = 1.0, 1.0
+    for a in list(alpha_per_position)[:K]:
+        reach *= float(a or 0.0)
+        tau += reach
+    return tau
+
+
+def predicted_speedup(tau: float, c_ar: float, c_verify: float, c_draft: float) -> float:
+    """``τ · c_ar / (c_verify + c_draft)``: per row, AR pays ``c_ar`` per token, a round pays a verify forward
+    plus the drafts and commits ``τ`` tokens."""
+    return tau * c_ar / (c_verify + c_draft)
+
+
+@torch.no_grad()
+def target_costs(model, batch_sizes: Sequence[int], tokens: Sequence[int], context: int, reps: int = 5,
+                 vocab: int | None = None) -> dict[tuple[int, int], float]:
+    """Median seconds of one target forward of ``n`` new tokens per row for ``B`` rows that already hold
+    ``context`` tokens (random ids), for every B in ``batch_sizes`` and n in ``tokens``: ``{(B, n): s}``.
+    Each forward is rolled back by index before the next one, so every timing sees the same context."""
+    from .decoding.batched import BatchRunner
+
+    runner = BatchRunner(model, max_len=int(context) + max(tokens) + 1, slack=max(tokens) + 8)
+    V = int(vocab or runner.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for B in batch_sizes:
+        runner.reset(int(B))
+        runner.forward(torch.randint(0, V, (int(B), int(context)), generator=g).to(runner.device))
+        for n in tokens:
+            ids = torch.randint(0, V, (int(B), int(n)), generator=g).to(runner.device)
+            times = []
+            for _ in range(int(reps) + 1):  # the first is a warm-up
+                t0 = runner.time_forward
+                runner.forward(ids)
+                times.append(runner.time_forward - t0)
+                runner.set_lengths([int(context)] * int(B))
+            out[int(B), int(n)] = statistics.median(times[1:])
+    return out
+
+
+def _group_rounds(results, B: int) -> tuple[float, int]:
+    """(drafter seconds, batched rounds) of a batched run's rows, in groups of ``B`` prompts (input order):
+    a group's rounds are its longest row's (the rows' draft times are shares of the group's)."""
+    draft, rounds = 0.0, 0
+    for i in range(0, len(results), B):
+        g = results[i:i + B]
+        draft += sum(r.time_draft for r in g)
+        rounds += max(r.num_rounds for r in g) + 1  # + the prefill, where the drafter primes its state
+    return draft, rounds
+
+
+def _row(B: int, m, path: str) -> dict:
+    from .decoding.engine import aggregate
+
+    A, S = aggregate(m.ar), aggregate(m.spec)
+    ar_tps, sp_tps = A["tokens_per_s"], S["tokens_per_s"]
+    return {"batch_size": int(B), "path": path, "ar_tokens_per_s": ar_tps, "spec_tokens_per_s": sp_tps,
+            "speedup": sp_tps / ar_tps if ar_tps and sp_tps else None, "tau": S["tau"], "alpha": S["alpha"],
+            "acceptance_per_position": S["acceptance_per_position"], "outputs_match_ar": all(m.match),
+            "new_tokens": S["num_new_tokens"]}
+
+
+def batch_sweep(run, batch_sizes: Sequence[int], *, cost_reps: int = 5) -> dict:
+    """Measure speedup against batch size on ``run``'s prompts (an ``eval.EvalRun``; every B decodes the same
+    prompts) and predict it (module docstring). Returns the report's ``batch_sweep`` section."""
+    from .eval import _batched_decoders, _measure_batched, measure
+
+    sizes = sorted({int(b) for b in batch_sizes})
+    if not sizes or sizes[0] < 1:
+        raise DraftTrainError(f"decode.batch_sizes={list(batch_sizes)}: expected sizes >= 1")
+    if sizes[-1] > len(run.prompts):
+        raise DraftTrainError(f"decode.batch_sizes: the largest batch ({sizes[-1]}) needs at least as many "
+                              f"prompts; there are {len(run.prompts)} (raise decode.num_prompts / data.num_eval)")
+    if run.method == "ar":
+        raise DraftTrainError("decode.batch_sizes needs a speculative method (decode.method=ar has nothing to compare)")
+    decode0, batched0 = run.decode, run.batched
+    rows = []
+    try:
+        run.batched = None
+        one = _row(1, measure(run), "batch-1 decoder")  # today's path, for the regression ratio at B = 1
+        for B in sizes:
+            run.decode = _with_batch(decode0, B)
+            run.batched = _batched_decoders(run, run.ar.target)
+            m = _measure_batched(run)
+            row = _row(B, m, "batched")
+            row["spec_target_forwards"] = run.batched[1].target.num_forwards  # prefills + verify rounds, all groups
+            row["draft_s_per_round"], row["rounds"] = _group_rounds(m.spec, B)
+            row["draft_s_per_round"] /= max(row["rounds"], 1)
+            rows.append(row)
+    finally:
+        run.decode, run.batched = decode0, batched0
+    K = run.K
+    context = int(statistics.median(len(p) for p in run.prompts) + decode0.max_new_tokens // 2)
+    costs = target_costs(run.model, sizes, (1, K + 1), context, reps=cost_reps)
+    tau_hat = expected_tau(one["acceptance_per_position"], K)
+    for r in rows:
+        B = r["batch_size"]
+        r["target_s_ar"], r["target_s_verify"] = costs[B, 1], costs[B, K + 1]
+        r["predicted_speedup"] = predicted_speedup(tau_hat, costs[B, 1], costs[B, K + 1], r["draft_s_per_round"])
+        r["prediction_error"] = (r["speedup"] / r["predicted_speedup"] - 1.0) if r["speedup"] else None
+    below = [r["batch_size"] for r in rows if r["speedup"] is not None and r["speedup"] < 1.0]
+    b1 = next(r for r in rows if r["batch_size"] == 1) if sizes[0] == 1 else None
+    ar1 = b1["ar_tokens_per_s"] if b1 else None
+    return {
+        "batch_sizes": sizes, "rows": rows, "batch1_decoder": one, "num_prompts": len(run.prompts),
+        "num_draft_tokens": K, "method": run.method, "temperature": float(decode0.temperature),
+        "max_new_tokens": int(decode0.max_new_tokens), "context_tokens": context, "expected_tau": tau_hat,
+        "crossover": below[0] if below else None,
+        "batched_vs_batch1_speedup": (b1["speedup"] / one["speedup"]) if b1 and b1["speedup"] and one["speedup"]
+        else None,
+        "ar_scaling": {r["batch_size"]: r["ar_tokens_per_s"] / ar1 for r in rows} if ar1 else None,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def format_table(sweep: dict) -> str:
+    """The sweep as a markdown table (decode settings in the caption line)."""
+    def f(x, spec=".2f"):
+        return "" if x is None else format(x, spec)
+
+    head = (f"{sweep['method']}, K = {sweep['num_draft_tokens']}, temperature {sweep['temperature']:g}, "
+            f"{sweep['num_prompts']} prompts x up to {sweep['max_new_tokens']} new tokens; crossover: "
+            f"{sweep['crossover'] if sweep['crossover'] is not None else 'none up to B = ' + str(sweep['batch_sizes'][-1])}")
+    one = sweep["batch1_decoder"]
+    lines = [head, "", "| B | AR tok/s | spec tok/s | speedup | predicted | error | τ | α | AR tok/s ÷ B=1 |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+             f"| 1 (batch-1 decoder) | {f(one['ar_tokens_per_s'], '.1f')} | {f(one['spec_tokens_per_s'], '.1f')} | "
+             f"{f(one['speedup'])}x |  |  | {f(one['tau'])} | {f(one['alpha'])} |  |"]
+    scale = sweep.get("ar_scaling") or {}
+    for r in sweep["rows"]:
+        err = r["prediction_error"]
+        lines.append(f"| {r['batch_size']} | {f(r['ar_tokens_per_s'], '.1f')} | {f(r['spec_tokens_per_s'], '.1f')} | "
+                     f"{f(r['speedup'])}x | {f(r['predicted_speedup'])}x | {'' if err is None else f'{err:+.0%}'} | "
+                     f"{f(r['tau'])} | {f(r['alpha'])} | {f(scale.get(r['batch_size']))}x |")
+    return "\n".join(lines)
+
+
+def plot_batch_sweep(sweep: dict, path: Path) -> None:
+    """Measured and predicted speedup against batch size, the break-even line and the crossover."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .eval import _save_fig
+
+    rows = sweep["rows"]
+    bs = [r["batch_size"] for r in rows]
+    nan = float("nan")
+    fig, ax = plt.subplots(figsize=(5.2, 3.4), dpi=120)
+    ax.plot(bs, [r["speedup"] if r["speedup"] is not None else nan for r in rows], "o-", color="#C44E52",
+            label="measured")
+    ax.plot(bs, [r["predicted_speedup"] for r in rows], "s--", color="#4C72B0", label="predicted")
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+    if sweep["crossover"] is not None:
+        ax.axvline(sweep["crossover"], color="#C44E52", lw=0.8, ls="--")
+        ax.annotate(f"crossover B={sweep['crossover']}", (sweep["crossover"], 1.0), fontsize=8,
+                    xytext=(4, 6), textcoords="offset points")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(bs, [str(b) for b in bs])
+    ax.set_xlabel("batch size B")
+    ax.set_ylabel("speedup vs AR at the same B")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{sweep['method']}, K={sweep['num_draft_tokens']}, T={sweep['temperature']:g}: speedup vs batch",
+                 fontsize=9)
+    _save_fig(fig, path)
+
+
+__all__ = ["batch_sweep", "expected_tau", "format_table", "plot_batch_sweep", "predicted_speedup", "target_costs"]
