@@ -241,16 +241,17 @@ def toy_law(target, prompt, T, k, p) -> np.ndarray:
     return law.reshape((TOY_V,) * TOY_NEW)
 
 
-@pytest.mark.parametrize("name,T,k,p,n", [("draft_model", 1.0, 0, 1.0, 500), ("pld", 0.7, 0, 0.9, 500),
-                                          ("eagle3", 1.0, 4, 1.0, 300)])
-def test_batched_sampling_preserves_each_rows_distribution(name, T, k, p, n):
-    """B = 3 different prompts per batch: each row's first 4 tokens follow the target's exact law (χ²)."""
+@pytest.mark.parametrize("name,T,k,p,n,dt", [("draft_model", 1.0, 0, 1.0, 500, None), ("pld", 0.7, 0, 0.9, 500, None),
+                                             ("eagle3", 1.0, 4, 1.0, 300, None), ("draft_model", 1.0, 0, 1.0, 400, 0.25)])
+def test_batched_sampling_preserves_each_rows_distribution(name, T, k, p, n, dt):
+    """B = 3 different prompts per batch: each row's first 4 tokens follow the target's exact law (χ²), also
+    when the draft samples at its own temperature (``dt``)."""
     target = BatchToyLM(TOY_V, seed=1)
     prop = {"draft_model": lambda: DraftModelProposer(BatchToyLM(TOY_V, seed=2)),
             "pld": lambda: PromptLookupProposer(max_ngram=2, num_tokens=2),
             "eagle3": lambda: Eagle3ChainProposer(toy_eagle3(), max_len=32)}[name]()
     dec = BatchSpecDecoder(TargetRunner(target, taps=(0, 1, 1), max_len=32), prop, 2, temperature=T, top_k=k,
-                           top_p=p, seed=100)
+                           top_p=p, seed=100, draft_temperature=dt)
     counts = np.zeros((len(TOY_PROMPTS),) + (TOY_V,) * TOY_NEW)
     drafted = accepted = 0
     for _ in range(n):
