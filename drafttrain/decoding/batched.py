@@ -19,17 +19,19 @@ overwritten by the next forward. Nothing is ever visible that is not the row's p
 EAGLE-3 drafter (:class:`_BatchEagle3`): its ``step`` writes one slot range for all rows (a shared write
 pointer, ``Eagle3Cache.length``), so here rows keep a **validity mask** ``[B, capacity]`` and a position per
 slot instead: every step passes a ``[B, n, L + n]`` mask (a query sees the valid slots of its row and the
-real entries of its own block before it) and per-row ``position_ids``. The drafts of a round and the padding
-become holes (invalid) at accept; the accepted entries are rebuilt from the target's taps as in the batch-1
-proposer. When the buffer would overflow, each row's valid entries are gathered to the front
-(``Eagle3Cache.keep`` with per-row indices). Medusa and prompt lookup are stateless per round (the target's
+entries of its own block up to itself) and per-row ``position_ids``. At accept the round's draft entries are
+dropped (the shared pointer moves back to where drafting started) and each row's accepted entries are rebuilt
+from the target's taps as in the batch-1 proposer; the padding of rows that accepted fewer (and of shorter
+prompts) stays behind as invalid holes. When the buffer would overflow, each row's valid entries are gathered
+to the front (``Eagle3Cache.keep`` with per-row indices). A draft model's rows are rolled back to their longest
+prefix agreeing with the committed tokens right after verification. Medusa and prompt lookup are stateless per round (the target's
 last hidden state per row; the batch-1 n-gram lookup per row).
 
 Verification is the batch-1 rule: greedy ``verify_chain_greedy`` vectorised over the rows (one host sync per
 round), sampling the batch-1 decoder's ``verify_chain_sampling`` row by row with its one generator; so greedy
 rows equal their batch-1 AR output and sampling is lossless per row.
 Statistics: a :class:`~drafttrain.decoding.engine.GenerationResult` per row (rounds, committed tokens, tau,
-accepted / reached per position); a row's times are the batch's times divided by the batch size, so
+accepted / reached per position); a row's times are the call's times divided by the number of prompts, so
 ``aggregate`` over the rows gives the batch's throughput.
 
 Not supported with B > 1 (one clear ``DraftTrainError``): tree proposers, grammar-constrained decoding,
