@@ -70,10 +70,13 @@ def test_eval_batch_sizes_measures_every_size_beside_its_prediction(tmp_path):
     assert sw["expected_tau"] == pytest.approx(expected_tau(one["acceptance_per_position"], 3))
     below = [r["batch_size"] for r in sw["rows"] if r["speedup"] < 1]
     assert sw["crossover"] == (below[0] if below else None)
-    assert sw["ar_scaling"][1] == 1.0
+    assert sw["rows"][0]["ar_vs_batch1"] == 1.0 and sw["rows"][0]["forward_vs_batch1"] == 1.0
+    assert sw["rows"][2]["forward_vs_batch1"] == pytest.approx(
+        4 * sw["rows"][0]["target_s_ar"] / sw["rows"][2]["target_s_ar"])
     assert 1 < one["tau"] <= 4  # prompt lookup accepts drafts here, or the rows prove little
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["batch_sweep"]["rows"][2]["batch_size"] == 4
+    assert format_table(saved["batch_sweep"]) == format_table(sw)  # the table reads a saved report too
     assert (tmp_path / "batch_speedup.png").stat().st_size > 0
     table = format_table(sw)
     assert "crossover" in table and table.count("\n| ") == 4 + 1  # the header row, batch-1 decoder, 3 sizes
