@@ -7,8 +7,9 @@ today's batch-1 path (:class:`~drafttrain.decoding.engine.SpecDecoder`), so a re
 at B = 1 shows as a ratio measured in the same run.
 
 Beside every measurement, a prediction a user can carry to other hardware: from the batch-1 run's acceptance
-per position ``α_i`` (P(position i accepted | reached)) the expected committed tokens per round
-``τ̂ = 1 + Σ_{j≤K} Π_{i≤j} α_i``; from micro-benchmarks of the target, ``c_T(B, n)``, the seconds of one
+per position the expected committed tokens per round ``τ̂ = 1 + Σ_{j≤K} P(position j accepted)`` (for a
+chain that always drafts K: ``1 + Σ_{j≤K} Π_{i≤j} α_i`` with ``α_i`` = P(position i accepted | reached); the
+counts also cover rounds that draft fewer, as prompt lookup's without a match); from micro-benchmarks of the target, ``c_T(B, n)``, the seconds of one
 forward of n new tokens per row for B rows at the prompts' typical context; and the drafter's measured seconds
 per round at B, ``c_D(B)`` (its share of the batched run). Then
 
@@ -51,6 +52,13 @@ def expected_tau(alpha_per_position: Sequence[float | None], K: int) -> float:
         reach *= float(a or 0.0)
         tau += reach
     return tau
+
+
+def expected_tau_from_counts(accepted_per_position: Sequence[int], rounds: int) -> float:
+    """``1 + Σ_j P(position j accepted in a round)`` from counts: the chain formula of :func:`expected_tau`
+    when every round drafts K tokens, and right too when some rounds draft fewer or none (prompt lookup
+    without a match), which the conditional rates alone cannot see."""
+    return 1.0 + sum(int(a) for a in accepted_per_position) / max(int(rounds), 1)
 
 
 def predicted_speedup(tau: float, c_ar: float, c_verify: float, c_draft: float) -> float:
@@ -105,6 +113,7 @@ def _row(B: int, m, path: str) -> dict:
     return {"batch_size": int(B), "path": path, "ar_tokens_per_s": ar_tps, "spec_tokens_per_s": sp_tps,
             "speedup": sp_tps / ar_tps if ar_tps and sp_tps else None, "tau": S["tau"], "alpha": S["alpha"],
             "acceptance_per_position": S["acceptance_per_position"], "outputs_match_ar": all(m.match),
+            "accepted_per_position": S["accepted_per_position"], "verify_rounds": S["num_rounds"],
             "new_tokens": S["num_new_tokens"]}
 
 
@@ -140,7 +149,7 @@ def batch_sweep(run, batch_sizes: Sequence[int], *, cost_reps: int = 5) -> dict:
     K = run.K
     context = int(statistics.median(len(p) for p in run.prompts) + decode0.max_new_tokens // 2)
     costs = target_costs(run.model, sizes, (1, K + 1), context, reps=cost_reps)
-    tau_hat = expected_tau(one["acceptance_per_position"], K)
+    tau_hat = expected_tau_from_counts(one["accepted_per_position"], one["verify_rounds"])
     for r in rows:
         B = r["batch_size"]
         r["target_s_ar"], r["target_s_verify"] = costs[B, 1], costs[B, K + 1]
@@ -215,4 +224,4 @@ def plot_batch_sweep(sweep: dict, path: Path) -> None:
     _save_fig(fig, path)
 
 
-__all__ = ["batch_sweep", "expected_tau", "format_table", "plot_batch_sweep", "predicted_speedup", "target_costs"]
+__all__ = ["batch_sweep", "expected_tau", "expected_tau_from_counts", "format_table", "plot_batch_sweep", "predicted_speedup", "target_costs"]

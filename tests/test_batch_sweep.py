@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from drafttrain.batch_sweep import expected_tau, format_table, predicted_speedup, target_costs
+from drafttrain.batch_sweep import (expected_tau, expected_tau_from_counts, format_table, predicted_speedup,
+                                    target_costs)
 from drafttrain.io import DraftTrainError
 
 from .test_batched_decoding import build
@@ -18,6 +19,10 @@ def test_expected_tau_and_predicted_speedup():
     assert expected_tau([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert expected_tau([0.8, None, 0.9], 3) == pytest.approx(1.8)  # never reached: never accepted
     assert expected_tau([0.8, 0.5, 0.9], 2) == pytest.approx(1 + 0.8 + 0.4)  # only K positions count
+    # counts: 10 rounds, position 1 accepted in 8, position 2 in 4 = the chain formula with 0.8, 0.5
+    assert expected_tau_from_counts([8, 4], 10) == pytest.approx(expected_tau([0.8, 0.5], 2))
+    # 5 of the 10 rounds drafted nothing (prompt lookup, no match): the conditional rate 0.8 alone overstates
+    assert expected_tau_from_counts([4], 10) == pytest.approx(1.4) and expected_tau([0.8], 1) == pytest.approx(1.8)
     # a verify of K + 1 tokens as cheap as one token and free drafts: the speedup is tau
     assert predicted_speedup(2.5, 0.01, 0.01, 0.0) == pytest.approx(2.5)
     # compute-bound: the verify costs as much as tau single-token forwards: no gain
@@ -67,7 +72,7 @@ def test_eval_batch_sizes_measures_every_size_beside_its_prediction(tmp_path):
         assert r["target_s_verify"] > 0 and r["draft_s_per_round"] >= 0
     fw = {r["batch_size"]: r["spec_target_forwards"] for r in sw["rows"]}
     assert fw[4] < fw[2] < fw[1]  # each size really decoded B rows per forward
-    assert sw["expected_tau"] == pytest.approx(expected_tau(one["acceptance_per_position"], 3))
+    assert sw["expected_tau"] == pytest.approx(one["tau"])  # greedy: the counts give the measured batch-1 tau
     below = [r["batch_size"] for r in sw["rows"] if r["speedup"] < 1]
     assert sw["crossover"] == (below[0] if below else None)
     assert sw["rows"][0]["ar_vs_batch1"] == 1.0 and sw["rows"][0]["forward_vs_batch1"] == 1.0
