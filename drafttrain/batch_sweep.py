@@ -94,14 +94,17 @@ def target_costs(model, batch_sizes: Sequence[int], tokens: Sequence[int], conte
     return out
 
 
-def _group_rounds(results, B: int) -> tuple[float, int]:
-    """(drafter seconds, batched rounds) of a batched run's rows, in groups of ``B`` prompts (input order):
-    a group's rounds are its longest row's (the rows' draft times are shares of the group's)."""
+def _group_rounds(results, B: int, n_prompts: int) -> tuple[float, int]:
+    """(drafter seconds, batched rounds) of a batched run's rows: each pass over the ``n_prompts`` prompts in
+    groups of ``B`` (input order, the last group of a pass possibly smaller); a group's rounds are its longest
+    row's (the rows' draft times are shares of the group's)."""
     draft, rounds = 0.0, 0
-    for i in range(0, len(results), B):
-        g = results[i:i + B]
-        draft += sum(r.time_draft for r in g)
-        rounds += max(r.num_rounds for r in g) + 1  # + the prefill, where the drafter primes its state
+    for p in range(0, len(results), n_prompts):
+        one_pass = results[p:p + n_prompts]
+        for i in range(0, len(one_pass), B):
+            g = one_pass[i:i + B]
+            draft += sum(r.time_draft for r in g)
+            rounds += max(r.num_rounds for r in g) + 1  # + the prefill, where the drafter primes its state
     return draft, rounds
 
 
@@ -141,7 +144,7 @@ def batch_sweep(run, batch_sizes: Sequence[int], *, cost_reps: int = 5) -> dict:
             m = _measure_batched(run)
             row = _row(B, m, "batched")
             row["spec_target_forwards"] = run.batched[1].target.num_forwards  # prefills + verify rounds, all groups
-            row["draft_s_per_round"], row["rounds"] = _group_rounds(m.spec, B)
+            row["draft_s_per_round"], row["rounds"] = _group_rounds(m.spec, B, len(run.prompts))
             row["draft_s_per_round"] /= max(row["rounds"], 1)
             rows.append(row)
     finally:
