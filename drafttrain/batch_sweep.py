@@ -1,7 +1,8 @@
 """Speedup against batch size: where speculative decoding stops paying (``drafttrain eval decode.batch_sizes=[…]``).
 
-For each batch size B the same prompts are decoded in groups of B by the batched AR and speculative decoders
-(:mod:`drafttrain.decoding.batched`, through ``eval._measure_batched``: the two interleaved per group), giving AR
+For each batch size B the same prompts are decoded by the batched AR and speculative decoders
+(:mod:`drafttrain.decoding.batched`, through ``eval._measure_batched``: the two back to back per pass), B rows
+at a time with finished rows refilled (``decode.continuous_batching``, default; false: groups of B), giving AR
 tokens/s, speculative tokens/s, τ, α per position and the speedup, side by side. Batch 1 is also run on
 today's batch-1 path (:class:`~drafttrain.decoding.engine.SpecDecoder`), so a regression of the batched code
 at B = 1 shows as a ratio measured in the same run.
@@ -13,10 +14,12 @@ counts also cover rounds that draft fewer, as prompt lookup's without a match); 
 forward of n new tokens per row for B rows at the prompts' typical context; and the drafter's measured seconds
 per round at B, ``c_D(B)`` (its share of the batched run). Then
 
-    predicted speedup(B) = τ̂ · c_T(B, 1) / (c_T(B, K + 1) + c_D(B))
+    predicted speedup(B) = τ̂ · c_T(B, 1) / (E_w[c_T(B, w)] + c_D(B))
 
-AR costs c_T(B, 1) per token per row; a speculative round costs a (K+1)-token verify plus the drafts and
-commits τ̂ tokens per row. Speculation stops paying when the verify of K + 1 tokens costs about τ̂ forwards of
+AR costs c_T(B, 1) per token per row; a speculative round costs a verify forward plus the drafts and
+commits τ̂ tokens per row. The verify is as wide as the round's longest row (right padding): ``w = K + 1``
+for a drafter that always drafts K, narrower for one that often drafts nothing (prompt lookup); its law over
+``1 .. K + 1`` comes from the batch-1 run's draft lengths (:func:`verify_width_law`). Speculation stops paying when the verify of K + 1 tokens costs about τ̂ forwards of
 one (compute-bound decoding), or when τ̂ is small. The *crossover* is the smallest measured B whose speedup is
 below 1 (``None``: none up to the largest B). The prediction ignores rows finishing at different rounds
 (the batch shrinks) and the decoder's own per-round work; ``prediction_error`` says how far off it is.
@@ -61,6 +64,15 @@ def expected_tau_from_counts(accepted_per_position: Sequence[int], rounds: int) 
     return 1.0 + sum(int(a) for a in accepted_per_position) / max(int(rounds), 1)
 
 
+def verify_width_law(drafted_per_position: Sequence[int], rounds: int, B: int) -> list[float]:
+    """P(a batched verify forward is ``w`` tokens wide), ``w = 1 .. K + 1``, for B rows drafting independently
+    with the batch-1 run's draft lengths (``drafted_per_position[j]``: rounds that drafted at least j + 1
+    tokens): rows are right-padded to the longest, so ``P(width >= w) = 1 - (1 - P(d >= w - 1))^B``. A chain
+    that always drafts K gives width K + 1 at every B; prompt lookup, which often finds no match, narrower."""
+    ge = [1.0] + [1.0 - (1.0 - min(1.0, int(d) / max(int(rounds), 1))) ** int(B) for d in drafted_per_position]
+    return [ge[w] - (ge[w + 1] if w + 1 < len(ge) else 0.0) for w in range(len(ge))]
+
+
 def predicted_speedup(tau: float, c_ar: float, c_verify: float, c_draft: float) -> float:
     """``τ · c_ar / (c_verify + c_draft)``: per row, AR pays ``c_ar`` per token, a round pays a verify forward
     plus the drafts and commits ``τ`` tokens."""
@@ -94,18 +106,14 @@ def target_costs(model, batch_sizes: Sequence[int], tokens: Sequence[int], conte
     return out
 
 
-def _group_rounds(results, B: int, n_prompts: int) -> tuple[float, int]:
-    """(drafter seconds, batched rounds) of a batched run's rows: each pass over the ``n_prompts`` prompts in
-    groups of ``B`` (input order, the last group of a pass possibly smaller); a group's rounds are its longest
-    row's (the rows' draft times are shares of the group's)."""
-    draft, rounds = 0.0, 0
-    for p in range(0, len(results), n_prompts):
-        one_pass = results[p:p + n_prompts]
-        for i in range(0, len(one_pass), B):
-            g = one_pass[i:i + B]
-            draft += sum(r.time_draft for r in g)
-            rounds += max(r.num_rounds for r in g) + 1  # + the prefill, where the drafter primes its state
-    return draft, rounds
+def _call_rounds(calls) -> tuple[float, int, float]:
+    """(drafter seconds, batched rounds, mean rows per round) of a batched run's speculative calls (its
+    ``Measured.calls``): a call's rounds are its verify rounds plus its prefills (where the drafter primes the
+    newcomers' state)."""
+    draft = sum(s.time_draft for _, s in calls)
+    rounds = sum(s.rounds + s.prefills for _, s in calls)
+    mean_rows = sum(s.row_rounds for _, s in calls) / max(sum(s.rounds for _, s in calls), 1)
+    return draft, rounds, mean_rows
 
 
 def _row(B: int, m, path: str) -> dict:
@@ -117,6 +125,7 @@ def _row(B: int, m, path: str) -> dict:
             "speedup": sp_tps / ar_tps if ar_tps and sp_tps else None, "tau": S["tau"], "alpha": S["alpha"],
             "acceptance_per_position": S["acceptance_per_position"], "outputs_match_ar": all(m.match),
             "accepted_per_position": S["accepted_per_position"], "verify_rounds": S["num_rounds"],
+            "drafted_per_position": S["drafted_per_position"],
             "new_tokens": S["num_new_tokens"]}
 
 
@@ -144,19 +153,24 @@ def batch_sweep(run, batch_sizes: Sequence[int], *, cost_reps: int = 5) -> dict:
             m = _measure_batched(run)
             row = _row(B, m, "batched")
             row["spec_target_forwards"] = run.batched[1].target.num_forwards  # prefills + verify rounds, all groups
-            row["draft_s_per_round"], row["rounds"] = _group_rounds(m.spec, B, len(run.prompts))
-            row["draft_s_per_round"] /= max(row["rounds"], 1)
+            draft, row["rounds"], row["mean_rows_per_round"] = _call_rounds(m.calls)
+            row["draft_s_per_round"] = draft / max(row["rounds"], 1)
+            row["continuous_batching"] = bool(getattr(run.decode, "continuous_batching", True))
             rows.append(row)
     finally:
         run.decode, run.batched = decode0, batched0
     K = run.K
     context = int(statistics.median(len(p) for p in run.prompts) + decode0.max_new_tokens // 2)
-    costs = target_costs(run.model, sizes, (1, K + 1), context, reps=cost_reps)
+    costs = target_costs(run.model, sizes, range(1, K + 2), context, reps=cost_reps)
     tau_hat = expected_tau_from_counts(one["accepted_per_position"], one["verify_rounds"])
     for r in rows:
         B = r["batch_size"]
+        law = verify_width_law(one["drafted_per_position"], one["verify_rounds"], B)
+        r["verify_width_law"] = law
         r["target_s_ar"], r["target_s_verify"] = costs[B, 1], costs[B, K + 1]
-        r["predicted_speedup"] = predicted_speedup(tau_hat, costs[B, 1], costs[B, K + 1], r["draft_s_per_round"])
+        r["target_s_verify_expected"] = sum(p * costs[B, w + 1] for w, p in enumerate(law))
+        r["predicted_speedup"] = predicted_speedup(tau_hat, costs[B, 1], r["target_s_verify_expected"],
+                                                   r["draft_s_per_round"])
         r["prediction_error"] = (r["speedup"] / r["predicted_speedup"] - 1.0) if r["speedup"] else None
     below = [r["batch_size"] for r in rows if r["speedup"] is not None and r["speedup"] < 1.0]
     b1 = next(r for r in rows if r["batch_size"] == 1) if sizes[0] == 1 else None

@@ -313,8 +313,11 @@ class DecodeConfig:
     draft_temperature: Optional[float] = num(None, ge=0)
     max_new_tokens: int = num(96, ge=1)
     num_prompts: int = num(0, ge=0)  # prompts decoded, of the data.num_eval evaluation set (0: all of them)
-    # prompts decoded together (> 1: drafttrain/decoding/batched.py, in groups of B; chain methods only, eager)
+    # prompts decoded together (> 1: drafttrain/decoding/batched.py; chain methods only, eager)
     batch_size: int = num(1, ge=1)
+    # batch_size > 1: stream the prompts through B rows, a finished row refilled by the next prompt (what
+    # serving engines do); false: groups of B prompts, each decoded until its last row ends
+    continuous_batching: bool = True
     # speedup against batch size: every B decodes the same prompts, batched AR vs batched speculative, with a
     # predicted speedup and the crossover (drafttrain/batch_sweep.py); [] = none; needs >= max(B) prompts
     batch_sizes: List[int] = nums(list, ge=1)

@@ -258,6 +258,7 @@ class Measured:
     spec: list
     match: list
     refs: list
+    calls: list = dataclasses.field(default_factory=list)  # batched: (AR, speculative) BatchGenerationResult per call
 
 
 def _sampling(decode) -> dict:
@@ -321,28 +322,30 @@ def _batched_decoders(run: EvalRun, ar_runner) -> tuple:
 
 
 def _measure_batched(run: EvalRun) -> Measured:
-    """``measure`` with ``decode.batch_size = B``: the prompts in groups of B, each group decoded by the batched
-    AR and speculative decoders back to back (alternating which goes first); a row's times are its share of
-    the group's (so the pooled tokens/s is the batch throughput)."""
+    """``measure`` with ``decode.batch_size = B``, AR and speculative both batched, run back to back (alternating
+    which goes first). ``decode.continuous_batching`` (default): each pass streams every prompt through B rows,
+    a finished row refilled by the next prompt; false: the prompts in groups of B, each decoded to its last row.
+    A row's times are its share of its call's (so the pooled tokens/s is the batch throughput)."""
     from .decoding.engine import aggregate
 
     decode, prompts, (ar, spec) = run.decode, run.prompts, run.batched
     B, n_new = int(decode.batch_size), decode.max_new_tokens
-    groups = [list(range(i, min(i + B, len(prompts)))) for i in range(0, len(prompts), B)]
-    for _ in range(decode.warmup):  # untimed: one group
-        ar.generate([prompts[i] for i in groups[0]], min(16, n_new), run.eos)
-        spec.generate([prompts[i] for i in groups[0]], min(16, n_new), run.eos)
+    if bool(getattr(decode, "continuous_batching", True)):
+        groups, width = [list(range(len(prompts)))], B
+    else:
+        groups, width = [list(range(i, min(i + B, len(prompts)))) for i in range(0, len(prompts), B)], None
+    for _ in range(decode.warmup):  # untimed: one batch
+        ar.generate(prompts[:B], min(16, n_new), run.eos)
+        spec.generate(prompts[:B], min(16, n_new), run.eos)
     m = Measured([], [], [], [])
     bar = _progress(decode.repeats * len(prompts), f"eval {run.method} vs AR, batch {B}")
     for rep in range(decode.repeats):
         for j, g in enumerate(groups):
             ps, seed = [prompts[i] for i in g], decode.seed + g[0]
-            if (j + rep) % 2 == 0:
-                a = ar.generate(ps, n_new, run.eos, seed=seed)
-                s = spec.generate(ps, n_new, run.eos, seed=seed)
-            else:
-                s = spec.generate(ps, n_new, run.eos, seed=seed)
-                a = ar.generate(ps, n_new, run.eos, seed=seed)
+            calls = [(ar, "a"), (spec, "s")] if (j + rep) % 2 == 0 else [(spec, "s"), (ar, "a")]
+            out = {k: dec.generate(ps, n_new, run.eos, seed=seed, batch_size=width) for dec, k in calls}
+            a, s = out["a"], out["s"]
+            m.calls.append((a, s))
             for ra, rs in zip(a.results, s.results):
                 m.ar.append(ra)
                 m.spec.append(rs)

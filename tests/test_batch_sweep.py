@@ -6,7 +6,7 @@ import math
 import pytest
 
 from drafttrain.batch_sweep import (expected_tau, expected_tau_from_counts, format_table, predicted_speedup,
-                                    target_costs)
+                                    target_costs, verify_width_law)
 from drafttrain.io import DraftTrainError
 
 from .test_batched_decoding import build
@@ -28,6 +28,18 @@ def test_expected_tau_and_predicted_speedup():
     # compute-bound: the verify costs as much as tau single-token forwards: no gain
     assert predicted_speedup(2.5, 0.01, 0.025, 0.0) == pytest.approx(1.0)
     assert predicted_speedup(2.5, 0.01, 0.02, 0.005) == pytest.approx(1.0)
+
+
+def test_verify_width_law():
+    """A round's verify is as wide as its longest row: from the batch-1 draft lengths, for B rows."""
+    assert verify_width_law([10, 10, 10], 10, 1) == [0.0, 0.0, 0.0, 1.0]  # always drafts K = 3: width 4
+    assert verify_width_law([10, 10, 10], 10, 8) == [0.0, 0.0, 0.0, 1.0]
+    # drafts K in half the rounds, nothing otherwise (prompt lookup without a match)
+    assert verify_width_law([5, 5, 5], 10, 1) == pytest.approx([0.5, 0.0, 0.0, 0.5])
+    assert verify_width_law([5, 5, 5], 10, 2) == pytest.approx([0.25, 0.0, 0.0, 0.75])  # one of two rows drafts
+    law = verify_width_law([8, 6, 2], 10, 4)
+    assert sum(law) == pytest.approx(1.0) and all(p >= 0 for p in law)
+    assert law[0] == pytest.approx(0.2 ** 4) and law[3] == pytest.approx(1 - 0.8 ** 4)
 
 
 def test_target_costs_cover_every_shape_and_grow_with_the_tokens():
@@ -70,6 +82,10 @@ def test_eval_batch_sizes_measures_every_size_beside_its_prediction(tmp_path):
         assert r["speedup"] == pytest.approx(r["spec_tokens_per_s"] / r["ar_tokens_per_s"])
         assert r["predicted_speedup"] > 0 and math.isfinite(r["prediction_error"])
         assert r["target_s_verify"] > 0 and r["draft_s_per_round"] >= 0
+        assert r["continuous_batching"] and 1 <= r["mean_rows_per_round"] <= r["batch_size"]
+        assert sum(r["verify_width_law"]) == pytest.approx(1.0)
+        assert min(r["target_s_ar"], r["target_s_verify"]) <= r["target_s_verify_expected"] <= \
+            max(r["target_s_ar"], r["target_s_verify"]) * 1.5  # between a one-token and a K+1 forward (noise)
     fw = {r["batch_size"]: r["spec_target_forwards"] for r in sw["rows"]}
     assert fw[4] < fw[2] < fw[1]  # each size really decoded B rows per forward
     assert sw["expected_tau"] == pytest.approx(one["tau"])  # greedy: the counts give the measured batch-1 tau

@@ -110,6 +110,32 @@ def test_batched_greedy_equals_batch1(setup, method):
         assert s["tau"] == 1.0
 
 
+@pytest.mark.parametrize("method", list(METHODS))
+def test_continuous_batching_refills_finished_rows(setup, method):
+    """``batch_size=2`` over the four prompts: at most two rows decode together, a finished row is refilled by
+    the next waiting prompt (prefilled on its own, joining rows that are mid-answer), and every row still
+    equals its batch-1 AR output with the batch-1 decoder's statistics."""
+    K = METHODS[method]
+    runner, prop = make(setup, method)
+    dec = Watched(runner, prop, K)
+    out = dec.generate(setup.prompts, LIMITS, eos_token_id=setup.eos, batch_size=2)
+    assert out.tokens == setup.ar
+    assert max(dec.sizes) == 2 and out.batch_size == 2
+    assert out.prefills >= 3  # the first two prompts, then each newcomer on its own
+    assert out.rounds < sum(r.num_rounds for r in out.results)  # rounds were shared by rows
+    assert out.row_rounds == sum(r.num_rounds for r in out.results)
+    runner1, prop1 = make(setup, method)
+    one = [SpecDecoder(runner1, prop1, K).generate(p, n, setup.eos) for p, n in zip(setup.prompts, LIMITS)]
+    for o, r in zip(out.results, one):
+        assert (o.num_rounds, o.accepted_per_position, o.reached_per_position) == \
+            (r.num_rounds, r.accepted_per_position, r.reached_per_position)
+    # a prompt that ends at its first token, and a batch that empties while prompts still wait
+    limits = [1, 1, 5, 1]
+    ref = [t[:n] for t, n in zip(setup.ar, limits)]
+    assert dec.generate(setup.prompts, limits, eos_token_id=setup.eos, batch_size=2).tokens == ref
+    assert dec.generate(setup.prompts, LIMITS, eos_token_id=setup.eos, batch_size=1).tokens == setup.ar
+
+
 @pytest.mark.parametrize("method", ["pld", "eagle3"])
 def test_a_full_row_ends_as_at_batch_1(method):
     """A target ``max_len`` that the 40-token prompt's row fills first: that row stops where batch 1 stops (the
@@ -198,6 +224,9 @@ def test_rollback_leaves_no_stale_visible_entries(setup, method):
     assert out.tokens == setup.ar and dec.checks > 5
     if method == "eagle3":
         assert dec.proposer.compactions > 0
+    dec.checks = 0  # continuous batching: the newcomers' rows (target and drafter) are as fresh
+    assert dec.generate(setup.prompts, LIMITS, eos_token_id=setup.eos, batch_size=2).tokens == setup.ar
+    assert dec.checks > 5
 
 
 # ------------------------------------------------------------------- exact distribution (toy target, V=5)
@@ -241,11 +270,14 @@ def toy_law(target, prompt, T, k, p) -> np.ndarray:
     return law.reshape((TOY_V,) * TOY_NEW)
 
 
-@pytest.mark.parametrize("name,T,k,p,n,dt", [("draft_model", 1.0, 0, 1.0, 500, None), ("pld", 0.7, 0, 0.9, 500, None),
-                                             ("eagle3", 1.0, 4, 1.0, 300, None), ("draft_model", 1.0, 0, 1.0, 400, 0.25)])
-def test_batched_sampling_preserves_each_rows_distribution(name, T, k, p, n, dt):
+@pytest.mark.parametrize("name,T,k,p,n,dt,width", [
+    ("draft_model", 1.0, 0, 1.0, 500, None, None), ("pld", 0.7, 0, 0.9, 500, None, None),
+    ("eagle3", 1.0, 4, 1.0, 300, None, None), ("draft_model", 1.0, 0, 1.0, 400, 0.25, None),
+    ("eagle3", 1.0, 0, 1.0, 300, None, 2)])
+def test_batched_sampling_preserves_each_rows_distribution(name, T, k, p, n, dt, width):
     """B = 3 different prompts per batch: each row's first 4 tokens follow the target's exact law (χ²), also
-    when the draft samples at its own temperature (``dt``)."""
+    when the draft samples at its own temperature (``dt``), and under continuous batching (``width`` rows at a
+    time: the third prompt joins when a row leaves)."""
     target = BatchToyLM(TOY_V, seed=1)
     prop = {"draft_model": lambda: DraftModelProposer(BatchToyLM(TOY_V, seed=2)),
             "pld": lambda: PromptLookupProposer(max_ngram=2, num_tokens=2),
@@ -255,7 +287,7 @@ def test_batched_sampling_preserves_each_rows_distribution(name, T, k, p, n, dt)
     counts = np.zeros((len(TOY_PROMPTS),) + (TOY_V,) * TOY_NEW)
     drafted = accepted = 0
     for _ in range(n):
-        out = dec.generate(TOY_PROMPTS, TOY_NEW)
+        out = dec.generate(TOY_PROMPTS, TOY_NEW, batch_size=width)
         for b, r in enumerate(out.results):
             counts[(b, *r.tokens)] += 1
             drafted, accepted = drafted + r.num_drafted, accepted + r.num_accepted
@@ -296,10 +328,11 @@ def test_refusals_are_one_clear_line(setup):
 
 
 # ------------------------------------------------------------------------------------------ eval wiring
-@pytest.mark.parametrize("method", ["pld", "draft_model"])
-def test_eval_decode_batch_size_groups_the_prompts(method):
-    """``decode.batch_size=3`` on 5 prompts (a group of 3, then 2): same outputs and per-position statistics as
-    ``batch_size=1`` under greedy, AR and speculative both batched, the batch size in the report."""
+@pytest.mark.parametrize("method,continuous", [("pld", True), ("draft_model", True), ("draft_model", False)])
+def test_eval_decode_batch_size_groups_the_prompts(method, continuous):
+    """``decode.batch_size=3`` on 5 prompts (continuous: 3 rows refilled as they finish; groups: 3, then 2): same
+    outputs and per-position statistics as ``batch_size=1`` under greedy, AR and speculative both batched, the
+    batch size in the report."""
     from drafttrain.config import DecodeConfig
     from drafttrain.decoding.build import make_proposer
     from drafttrain.eval import evaluate
@@ -309,7 +342,7 @@ def test_eval_decode_batch_size_groups_the_prompts(method):
     reps = {}
     for B in (1, 3):
         decode = DecodeConfig(method=method, num_draft_tokens=3, max_new_tokens=12, warmup=0, sweep_prompts=2,
-                              plot=False, batch_size=B)
+                              plot=False, batch_size=B, continuous_batching=continuous)
         prop = make_proposer(method, drafter=s.draft if method == "draft_model" else None, decode=decode,
                              max_len=128)
         reps[B] = evaluate(s.model, None, prompts, prop, decode, None, method=method, target_name="tiny",

@@ -40,6 +40,7 @@ typical acceptance, static shapes / compile.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -52,12 +53,29 @@ from ..targets.load import gather_taps, text_config
 from .engine import GenerationResult, _commit, _record_round, _stop_tokens, aggregate
 from .proposers import DraftModelProposer, Eagle3ChainProposer, MedusaChainProposer, NoDraft, PromptLookupProposer
 from .sampling import SamplingParams, sample, verify_chain_greedy, verify_chain_sampling
-from .target import TargetRunner, _layer_kinds, _sync, static_cache_support
+from .target import DEFAULT_BUCKETS, TargetRunner, _layer_kinds, _sync, compile_static, static_cache_support
 
 CHAIN_ONLY = "decode.batch_size>1 supports chain methods only (ar, pld, eagle3, medusa, draft_model)"
 
 
 # ------------------------------------------------------------------------------------- per-row cache
+def _moves(keep: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(destination, source) rows for keeping rows ``keep`` (in that order) in the leading rows in place:
+    only the rows that change place move."""
+    dst = [j for j, k in enumerate(keep) if int(k) != j]
+    return dst, [int(keep[j]) for j in dst]
+
+
+def fill_holes(done: Sequence[bool]) -> list[int]:
+    """The surviving rows' order after the ``done`` ones leave: a survivor stays in its row, the holes below
+    the new batch size are filled by the last survivors (the fewest rows move in the cache buffers)."""
+    alive = [i for i, d in enumerate(done) if not d]
+    n = len(alive)
+    movers = iter(i for i in alive if i >= n)
+    stay = {i for i in alive if i < n}
+    return [j if j in stay else next(movers) for j in range(n)]
+
+
 class _RowLayer(CacheLayerMixin):
     """One layer of :class:`RowKVCache`: writes row b's new K/V at slots ``write_index[b]``."""
 
@@ -68,21 +86,28 @@ class _RowLayer(CacheLayerMixin):
         self.owner = owner
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        B, H, _, D = key_states.shape
+        _, H, _, D = key_states.shape
+        rows, cap = self.owner.rows, self.owner.capacity
         self.device = key_states.device
-        self.keys = key_states.new_zeros((B, H, self.owner.capacity, D))
-        self.values = value_states.new_zeros((B, H, self.owner.capacity, value_states.shape[-1]))
+        self.keys = key_states.new_zeros((rows, H, cap, D))
+        self.values = value_states.new_zeros((rows, H, cap, value_states.shape[-1]))
+        if self.owner.static and not torch.compiler.is_compiling():
+            # fixed addresses: a CUDA graph may then mutate the buffers in place without copying them
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         idx = self.owner.write_index  # [B, n]
-        for buf, new in ((self.keys, key_states), (self.values, value_states)):
+        lo, hi = self.owner.row_window  # the physical rows this forward runs on
+        keys, values = self.keys[lo:hi], self.values[lo:hi]
+        for buf, new in ((keys, key_states), (values, value_states)):
             B, H, n, D = new.shape
             buf.scatter_(2, idx[:, None, :, None].expand(B, H, n, D), new.to(buf.dtype))
         kv = self.owner.kv_len
-        return self.keys[:, :, :kv], self.values[:, :, :kv]
+        return keys[:, :, :kv], values[:, :, :kv]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.kv_len, 0
@@ -93,19 +118,22 @@ class _RowLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.capacity
 
-    def select_rows(self, rows: Tensor) -> None:
-        if self.is_initialized:
-            self.keys, self.values = self.keys[rows], self.values[rows]
+    def move_rows(self, dst: list[int], src: list[int]) -> None:
+        if self.is_initialized and dst:
+            self.keys[dst], self.values[dst] = self.keys[src], self.values[src]
 
 
 class RowKVCache(Cache):
-    """K/V of B rows with one write pointer per row (the runner sets ``write_index [B, n]`` and ``kv_len``)."""
+    """K/V of ``rows`` physical rows, allocated once: the active rows are the leading ones, a forward runs on
+    the rows ``row_window`` with one write pointer per row (the runner sets ``write_index [B, n]`` and
+    ``kv_len``). ``static``: the buffers' addresses are marked static (CUDA graphs)."""
 
-    def __init__(self, num_layers: int, capacity: int):
+    def __init__(self, num_layers: int, capacity: int, rows: int, static: bool = False):
         super().__init__(layers=[_RowLayer(self) for _ in range(num_layers)])
-        self.capacity = int(capacity)
+        self.capacity, self.rows, self.static = int(capacity), int(rows), bool(static)
         self.kv_len = 0
         self.write_index: Tensor | None = None
+        self.row_window: tuple[int, int] = (0, int(rows))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.kv_len
@@ -113,10 +141,20 @@ class RowKVCache(Cache):
 
 class BatchRunner:
     """An HF causal LM over B rows, row b holding positions ``[0, lengths[b])`` at slots of the same index
-    (see the module docstring). ``forward`` appends a right-padded block; ``set_lengths`` rolls rows back."""
+    (see the module docstring). ``forward`` appends a right-padded block; ``set_lengths`` rolls rows back.
+
+    ``static_shapes``: the CUDA-graph path. The cache has a fixed number of physical rows (``reset(…, rows=)``,
+    the smallest bucket holding the decoder's batch), allocated once and never moved: rows leave by an
+    in-place copy to the front, newcomers are prefilled into the free rows after the active ones. A forward of
+    B rows × n tokens (n within the largest bucket) is padded to ``bucket(B)`` rows × ``bucket(n)`` tokens
+    (dummy rows at pointer 0, on free physical rows) and attends over the whole buffer, masked, so there is
+    one shape per (row bucket, token bucket); ``compile`` runs it through ``torch.compile`` (CUDA graphs on
+    CUDA, inductor on CPU: :func:`~drafttrain.decoding.target.compile_static`). Prefills and longer blocks run
+    unpadded (eager), as at batch 1."""
 
     def __init__(self, model, taps: tuple[int, ...] | None = None, max_len: int | None = None, slack: int = 64,
-                 timing: bool = True):
+                 timing: bool = True, static_shapes: bool = False, buckets: Sequence[int] = DEFAULT_BUCKETS,
+                 compile: bool = False):
         why = static_cache_support(model)
         if why:
             raise DraftTrainError(f"decode.batch_size>1: this model cannot be batched ({why})")
@@ -125,6 +163,9 @@ class BatchRunner:
         cfg = text_config(model.config)
         self.num_layers, self.vocab_size = int(cfg.num_hidden_layers), int(cfg.vocab_size)
         self.max_len = int(max_len if max_len is not None else getattr(cfg, "max_position_embeddings", 1 << 16))
+        self.static_shapes, self.buckets = bool(static_shapes), sorted(int(b) for b in buckets)
+        if self.static_shapes:  # padded token blocks write up to a bucket past a row's pointer
+            slack = max(int(slack), self.buckets[-1])
         self.capacity = self.max_len + int(slack)  # padded rows write past the longest row
         kinds, self.window = _layer_kinds(cfg)
         self._kinds = set(kinds or [])
@@ -132,12 +173,31 @@ class BatchRunner:
         self.dtype = next(model.parameters()).dtype
         self._neg = torch.finfo(self.dtype if self.dtype.is_floating_point else torch.float32).min
         self.timing, self.time_forward, self.num_forwards = bool(timing), 0.0, 0
+        self._compiled = compile_static(self._padded_forward, self.device) if compile and self.static_shapes \
+            else None
+        self.shapes: set[tuple[int, int]] = set()  # the (rows, tokens) shapes of the padded forwards run
+        self.cache: RowKVCache | None = None
         self.reset(1)
 
-    def reset(self, batch_size: int) -> None:
-        self.cache = RowKVCache(self.num_layers, self.capacity)
-        self.lengths = torch.zeros(int(batch_size), dtype=torch.long, device=self.device)
+    def bucket(self, n: int) -> int | None:
+        """The smallest bucket >= n (None: past the largest)."""
+        return next((b for b in self.buckets if b >= int(n)), None)
+
+    def reset(self, batch_size: int, rows: int | None = None) -> None:
+        """``batch_size`` empty rows in a cache of ``rows`` physical rows (default: ``batch_size``, under static
+        shapes its bucket). The buffers are kept while that number stays the same (nothing past a row's
+        pointer is ever read)."""
+        batch_size = int(batch_size)
+        if not rows:
+            rows = (self.bucket(batch_size) if self.static_shapes else None) or batch_size
+        rows = max(int(rows), 1)
+        if batch_size > rows:
+            raise ValueError(f"{batch_size} rows, the cache has {rows}")
+        if self.cache is None or self.cache.rows != rows:
+            self.cache = RowKVCache(self.num_layers, self.capacity, rows=rows, static=self.static_shapes)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self._held = self.lengths.clone()
+        self._offset = 0  # the first physical row of the next forward (admit: the newcomers' rows)
 
     @property
     def batch_size(self) -> int:
@@ -151,19 +211,48 @@ class BatchRunner:
         self.lengths = new
 
     def select_rows(self, rows: Sequence[int] | Tensor) -> None:
-        """Keep only the rows ``rows`` (in that order) of every cache buffer: finished rows leave the batch."""
-        idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        """Keep only the rows ``rows`` (in that order) as the leading rows: finished rows leave the batch. The
+        buffers stay; the rows that change place are copied (:func:`fill_holes` makes that the fewest)."""
+        keep = [int(r) for r in (rows.tolist() if isinstance(rows, Tensor) else rows)]
+        dst, src = _moves(keep)
         for layer in self.cache.layers:
-            layer.select_rows(idx)
-        self.lengths = self.lengths[idx]
-        self._held = self._held[idx]
+            layer.move_rows(dst, src)
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.lengths, self._held = self.lengths[idx], self._held[idx]
+
+    def _check_room(self, n: int) -> None:
+        if self.batch_size + int(n) > self.cache.rows:
+            raise ValueError(f"{self.batch_size} + {n} rows, the cache has {self.cache.rows}")
+
+    def add_rows(self, n: int) -> None:
+        """``n`` empty rows after the others (nothing committed yet: their first forward is their prefill)."""
+        self._check_room(n)
+        add = torch.zeros(int(n), dtype=torch.long, device=self.device)
+        self.lengths, self._held = torch.cat([self.lengths, add]), torch.cat([self._held, add])
+
+    @torch.no_grad()
+    def admit(self, ids: Tensor, n_real: Tensor | Sequence[int]) -> tuple[Tensor, Tensor | None]:
+        """Continuous batching: prefill the new rows ``ids [N, n]`` (right-padded, ``n_real`` real tokens each)
+        in a forward of their own, into the free physical rows after the active ones (which are left as they
+        are). Returns the new rows' ``forward(..., last_only=True)``."""
+        N, B0 = int(ids.shape[0]), self.batch_size
+        self._check_room(N)
+        L, held = self.lengths, self._held
+        self.lengths = self._held = torch.zeros(N, dtype=torch.long, device=self.device)
+        self._offset = B0
+        try:
+            out = self.forward(ids, n_real, last_only=True, pad=False)
+        finally:
+            self._offset = 0
+        self.lengths, self._held = torch.cat([L, self.lengths]), torch.cat([held, self._held])
+        return out
 
     def visible_slots(self, row: int) -> range:
         """The slots row ``row`` attends to before the next forward: exactly its committed positions."""
         return range(int(self.lengths[row]))
 
     def _mask(self, slots: Tensor, kv: int):
-        k = torch.arange(kv, device=self.device)
+        k = torch.arange(kv, device=slots.device)
 
         def one(window):
             allow = k[None, None, :] <= slots[:, :, None]  # [B, n, kv]: own committed slots + the block
@@ -177,13 +266,25 @@ class BatchRunner:
             return one(self.window)
         return {"full_attention": one(None), "sliding_attention": one(self.window)}
 
+    def _padded_forward(self, ids: Tensor, starts: Tensor):
+        """Static shapes: ``ids [rows, tokens]`` at slots ``starts[b] + i`` over the whole buffer (masked). The
+        slots, write index and mask are derived here from ``starts``: under ``compile`` one graph call per
+        (rows, tokens) with two inputs. Returns ``(logits [rows, tokens, V], taps or None)``."""
+        slots = starts[:, None] + torch.arange(ids.shape[1], device=ids.device)[None, :]
+        self.cache.write_index, self.cache.kv_len = slots, self.cache.capacity
+        out = self.model(input_ids=ids, position_ids=slots, attention_mask=self._mask(slots, self.cache.capacity),
+                         cache=self.cache, use_cache=True, output_hidden_states=self.taps is not None,
+                         logits_to_keep=0)
+        return out.logits, (gather_taps(out.hidden_states, self.taps) if self.taps is not None else None)
+
     @torch.no_grad()
     def forward(self, ids: Tensor, n_real: Tensor | Sequence[int] | None = None,
-                last_only: bool = False) -> tuple[Tensor, Tensor | None]:
+                last_only: bool = False, pad: bool = True) -> tuple[Tensor, Tensor | None]:
         """Append ``ids [B, n]`` (row b's real tokens first, ``n_real[b]`` of them; default all n) at each row's
         pointer; the pointers advance by ``n_real``. Returns ``(logits [B, n, V] float32, taps [B, n, D] or
         None)``; rows past a row's ``n_real`` are padding (their outputs mean nothing). ``last_only``: logits
-        ``[B, 1, V]`` at each row's last real token only (a prefill: the LM head runs on those positions)."""
+        ``[B, 1, V]`` at each row's last real token only (a prefill: the LM head runs on those positions).
+        ``pad=False``: never padded to a static shape (a prefill of ragged prompts)."""
         B, n = ids.shape
         if B != self.batch_size:
             raise ValueError(f"batch of {B} rows, the runner holds {self.batch_size}")
@@ -193,22 +294,38 @@ class BatchRunner:
         kv = int(L.max()) + n
         if int((L + real).max()) > self.max_len or kv > self.capacity:
             raise ValueError(f"cache overflow: rows of {L.tolist()} + {n} > max_len {self.max_len}")
-        slots = L[:, None] + torch.arange(n, device=self.device)[None, :]  # [B, n] = positions
-        self.cache.write_index, self.cache.kv_len = slots, kv
+        rows_b, n_b = (self.bucket(B), self.bucket(n)) if self.static_shapes and pad else (None, None)
+        padded = rows_b is not None and n_b is not None and rows_b <= self.cache.rows and not self._offset
         if self.timing:
             _sync(self.device)
         t0 = time.perf_counter()
-        keep = 0
-        if last_only:  # the rows' last positions (one set for every row: HF slices the sequence dim)
-            keep, where = torch.unique(real - 1, sorted=True, return_inverse=True)
-        out = self.model(input_ids=ids.to(self.device), position_ids=slots, attention_mask=self._mask(slots, kv),
-                         cache=self.cache, use_cache=True, output_hidden_states=self.taps is not None,
-                         logits_to_keep=keep)
-        logits = out.logits.float()
-        if last_only:  # (a model that ignores logits_to_keep returns every position)
-            at = where if logits.shape[1] == keep.numel() else real - 1
-            logits = logits[torch.arange(B, device=logits.device), at.to(logits.device)][:, None]
-        taps = gather_taps(out.hidden_states, self.taps) if self.taps is not None else None
+        if padded:  # one static shape per (row bucket, token bucket); dummy rows at pointer 0 on free rows
+            ids_p = ids.new_zeros((rows_b, n_b))
+            ids_p[:B, :n] = ids
+            starts = torch.cat([L, L.new_zeros(rows_b - B)])
+            self.cache.row_window = (0, rows_b)
+            logits, taps = (self._compiled or self._padded_forward)(ids_p.to(self.device), starts)
+            self.shapes.add((rows_b, n_b))
+            copy = self._compiled is not None and self.device.type == "cuda"  # a graph's outputs are reused
+            logits = logits[:B, :n].to(torch.float32, copy=copy)
+            taps = None if taps is None else taps[:B, :n].clone() if copy else taps[:B, :n]
+            if last_only:
+                logits = logits[torch.arange(B, device=logits.device), (real - 1).to(logits.device)][:, None]
+        else:
+            slots = L[:, None] + torch.arange(n, device=self.device)[None, :]  # [B, n] = positions
+            self.cache.write_index, self.cache.kv_len = slots, kv
+            self.cache.row_window = (self._offset, self._offset + B)  # the active rows (admit: the newcomers')
+            keep = 0
+            if last_only:  # the rows' last positions (one set for every row: HF slices the sequence dim)
+                keep, where = torch.unique(real - 1, sorted=True, return_inverse=True)
+            out = self.model(input_ids=ids.to(self.device), position_ids=slots,
+                             attention_mask=self._mask(slots, kv), cache=self.cache, use_cache=True,
+                             output_hidden_states=self.taps is not None, logits_to_keep=keep)
+            logits = out.logits.float()
+            if last_only:  # (a model that ignores logits_to_keep returns every position)
+                at = where if logits.shape[1] == keep.numel() else real - 1
+                logits = logits[torch.arange(B, device=logits.device), at.to(logits.device)][:, None]
+            taps = gather_taps(out.hidden_states, self.taps) if self.taps is not None else None
         if self.timing:
             _sync(self.device)
         self.time_forward += time.perf_counter() - t0
@@ -232,7 +349,10 @@ class _BatchNone:
     """AR (``NoDraft``): no drafts, no state."""
 
     def prefill(self, prompts, taps, firsts) -> None:
-        pass
+        """The state of a new batch of rows ``prompts`` (their taps ``[N, n, D]`` and first tokens)."""
+
+    def admit(self, prompts, taps, firsts) -> None:
+        """Continuous batching: append the rows ``prompts`` after the rows held (as ``prefill`` for them)."""
 
     def propose(self, tokens, ks, sampling):
         return [[] for _ in tokens], [None for _ in tokens]
@@ -273,6 +393,11 @@ class _BatchMedusa(_BatchNone):
     def prefill(self, prompts, taps, firsts) -> None:
         self._set(taps, torch.tensor([len(p) - 1 for p in prompts]))
 
+    def admit(self, prompts, taps, firsts) -> None:
+        held = self._h
+        self.prefill(prompts, taps, firsts)
+        self._h = torch.cat([held, self._h]) if held is not None else self._h
+
     def accept(self, tokens, accepted, taps) -> None:
         self._set(taps, torch.tensor(accepted))
 
@@ -285,7 +410,7 @@ class _BatchMedusa(_BatchNone):
         return [row[: min(kb, k)] for row, kb in zip(top, ks)], [None for _ in tokens]
 
     def select_rows(self, rows) -> None:
-        self._h = self._h[torch.as_tensor(rows, device=self._h.device)]
+        self._h = self._h[torch.as_tensor(rows, dtype=torch.long, device=self._h.device)]
 
 
 def _draft_tokens(z: Tensor, sampling: SamplingParams, qs: list) -> Tensor:
@@ -315,12 +440,17 @@ class _BatchDraftModel(_BatchNone):
     def __init__(self, proposer: DraftModelProposer, max_len: int, slack: int):
         self.proposer = proposer  # its _to_target_vocab maps the draft logits to the target vocabulary
         self.runner = BatchRunner(proposer.runner.model, None, max_len=max_len, slack=slack,
-                                  timing=proposer.runner.timing)
+                                  timing=proposer.runner.timing, **_static_options(proposer.runner))
         self._cached: list[list[int]] = []
+        self.rows: int | None = None  # static shapes: the decoder's physical rows
 
     def prefill(self, prompts, taps, firsts) -> None:
-        self.runner.reset(len(prompts))
+        self.runner.reset(len(prompts), rows=self.rows)
         self._cached = [[] for _ in prompts]  # fed lazily by the first propose, with the pending token
+
+    def admit(self, prompts, taps, firsts) -> None:
+        self.runner.add_rows(len(prompts))  # empty rows: their prompts are fed by the next propose
+        self._cached.extend([] for _ in prompts)
 
     def _rollback(self, tokens: list[list[int]]) -> list[list[int]]:
         keep = []
@@ -369,6 +499,22 @@ class _BatchEagle3(_BatchNone):
         self.compactions = 0
 
     def prefill(self, prompts, taps, firsts) -> None:
+        """The first rows: a buffer of ``rows`` physical rows (the decoder's; default these), its leading rows
+        active (``cache`` is a view of them: :meth:`Eagle3Cache.head`)."""
+        self._fresh(prompts, taps, firsts)
+        rows = max(int(getattr(self, "rows", None) or 0), len(prompts))
+        if rows > len(prompts):
+            self._full = self.drafter.new_cache(rows, self.capacity, device=self.device, dtype=self.dtype)
+            for full, part in ((self._full.k, self.cache.k), (self._full.v, self.cache.v)):
+                for f, x in zip(full, part):
+                    f[: len(prompts)] = x
+            self._full.length = self.cache.length
+            self.cache = self._full.head(len(prompts))
+        else:
+            self._full = self.cache
+
+    def _fresh(self, prompts, taps, firsts) -> None:
+        """Entries of the rows ``prompts`` alone, in a new cache (``self.cache``) and state."""
         if taps is None:
             raise ValueError("Eagle3ChainProposer needs target taps: build the TargetRunner with taps=")
         B, dev = len(prompts), self.device
@@ -380,6 +526,24 @@ class _BatchEagle3(_BatchNone):
         positions = torch.arange(m, device=dev).expand(B, m)
         self._n = torch.zeros(B, dtype=torch.long, device=dev)
         self._rebuild(ids, taps[:, :m], positions, positions < lens[:, None], lens - 1)
+
+    _STATE = ("valid", "pos", "_n", "_next_logits", "_next_hidden")
+
+    def admit(self, prompts, taps, firsts) -> None:
+        """The new rows' entries are built in a cache of their own, then copied into the free rows of the
+        fixed buffer after the held rows (the shorter fill's slots past its length are invalid holes)."""
+        cache, state, B0 = self.cache, [getattr(self, a) for a in self._STATE], self.cache.batch_size
+        self._fresh(prompts, taps, firsts)
+        new, N = self.cache, len(prompts)
+        if B0 + N > self._full.batch_size:
+            raise ValueError(f"{B0} + {N} rows, the draft cache has {self._full.batch_size}")
+        for full, part in ((self._full.k, new.k), (self._full.v, new.v)):
+            for f, x in zip(full, part):
+                f[B0 : B0 + N, :, : new.length] = x[:, :, : new.length]
+        for a, held in zip(self._STATE, state):
+            setattr(self, a, torch.cat([held, getattr(self, a)]))
+        self._full.length = max(cache.length, new.length)
+        self.cache = self._full.head(B0 + N)
 
     def _rebuild(self, ids: Tensor, taps: Tensor, positions: Tensor, real: Tensor, last: Tensor) -> None:
         """Entries from target features (the prompt; a round's accepted tokens); the next round's first draft
@@ -457,11 +621,22 @@ class _BatchEagle3(_BatchNone):
         self._rebuild(ids, taps[:, :m], self._n[:, None] + step, step <= a[:, None], a)
 
     def select_rows(self, rows) -> None:
-        idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)
-        self.cache.k = [t[idx] for t in self.cache.k]
-        self.cache.v = [t[idx] for t in self.cache.v]
+        keep = [int(r) for r in rows]
+        dst, src = _moves(keep)
+        if dst:
+            for t in (*self._full.k, *self._full.v):
+                t[dst] = t[src]
+        self._full.length = self.cache.length
+        self.cache = self._full.head(len(keep))
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.valid, self.pos, self._n = self.valid[idx], self.pos[idx], self._n[idx]
         self._next_logits, self._next_hidden = self._next_logits[idx], self._next_hidden[idx]
+
+
+def _static_options(runner: TargetRunner) -> dict:
+    """A batch-1 runner's static-shape options for its :class:`BatchRunner` (compile: it compiled its own)."""
+    return dict(static_shapes=runner.static_shapes, buckets=runner.buckets,
+                compile=runner.static_shapes and runner._compiled_chain is not None)
 
 
 def _batch_proposer(proposer, max_len: int, K: int):
@@ -499,6 +674,11 @@ class BatchGenerationResult:
 
     results: list[GenerationResult]
     time_total: float = 0.0
+    batch_size: int = 0  # the most rows decoded together
+    rounds: int = 0  # batched verify rounds (target forwards of the active rows)
+    prefills: int = 0  # admissions (target forwards of newcomers' prompts)
+    row_rounds: int = 0  # sum over the rounds of the rows in them (row_rounds / rounds: the mean batch)
+    time_draft: float = 0.0  # the drafter's seconds, the whole call
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -524,14 +704,12 @@ class BatchSpecDecoder:
 
         if typical and temperature > 0:
             raise DraftTrainError("decode.batch_size>1 does not support typical acceptance (decode.typical=true)")
-        if target.static_shapes:
-            raise DraftTrainError("decode.batch_size>1 runs eagerly: set decode.static_shapes=false")
         # the batch-1 decoder's checks, sampling parameters, generator and verification rule
         self.one = SpecDecoder(target, proposer, num_draft_tokens, temperature, top_k, top_p, seed,
                                draft_temperature=draft_temperature)
         self.K, self.sampling, self.generator = self.one.K, self.one.sampling, self.one.generator
         self.target = BatchRunner(target.model, target.taps, max_len=target.max_len, slack=self.K + 8,
-                                  timing=target.timing)
+                                  timing=target.timing, **_static_options(target))
         self.proposer = _batch_proposer(proposer, target.max_len, self.K)
         self._time_draft = 0.0
 
@@ -552,11 +730,17 @@ class BatchSpecDecoder:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                  eos_token_id: int | Iterable[int] | None = None, seed: int | None = None,
-                 grammar=None) -> BatchGenerationResult:
+                 grammar=None, batch_size: int | None = None) -> BatchGenerationResult:
         """Decode every prompt (up to its ``max_new_tokens``: one int or one per prompt; stops after eos).
-        ``seed`` re-seeds the generator first. ``grammar`` is refused (batch 1 only)."""
+        ``seed`` re-seeds the generator first. ``grammar`` is refused (batch 1 only).
+
+        ``batch_size``: at most that many rows decode together, the other prompts wait in input order and a
+        row that finishes is refilled by the next one (continuous batching: the newcomers are prefilled in a
+        forward of their own and join the next round). None: every prompt in one batch."""
         if grammar is not None:
             raise DraftTrainError("decode.batch_size>1 does not support grammar-constrained decoding (decode.grammar)")
+        if batch_size is not None and int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if seed is not None:
             self.generator.manual_seed(seed)
         prompts = [[int(t) for t in p] for p in prompts]
@@ -566,46 +750,61 @@ class BatchSpecDecoder:
             [int(m) for m in max_new_tokens]
         if len(limits) != len(prompts):
             raise ValueError(f"{len(limits)} max_new_tokens for {len(prompts)} prompts")
+        width = len(prompts) if batch_size is None else int(batch_size)
         K, eos = self.K, _stop_tokens(eos_token_id, None)
         results = [GenerationResult(tokens=[], drafted_per_position=[0] * K, reached_per_position=[0] * K,
                                     accepted_per_position=[0] * K) for _ in prompts]
         t_start, t_target0, self._time_draft = time.perf_counter(), self.target.time_forward, 0.0
-        rows = [b for b, m in enumerate(limits) if m > 0]
+        waiting = deque(b for b, m in enumerate(limits) if m > 0)
         tokens = {b: list(p) for b, p in enumerate(prompts)}
-        if rows:
-            rows = self._prefill(rows, prompts, tokens, results, limits, eos)
-        while rows:
+        rows: list[int] = []
+        stats = {"rounds": 0, "prefills": 0, "row_rounds": 0}
+        phys = (self.target.bucket(width) if self.target.static_shapes else None) or width  # physical rows
+        self.target.reset(0, rows=phys)
+        self.proposer.rows = phys
+        while rows or waiting:
+            if waiting and len(rows) < width:
+                new = [waiting.popleft() for _ in range(min(width - len(rows), len(waiting)))]
+                rows = self._admit(rows, new, prompts, tokens, results, limits, eos)
+                stats["prefills"] += 1
+                continue  # rows that ended at their first token are refilled before the next round
+            stats["rounds"] += 1
+            stats["row_rounds"] += len(rows)
             rows = self._round(rows, tokens, results, limits, eos)
         wall = time.perf_counter() - t_start
         share = 1.0 / max(len(prompts), 1)
         for r in results:
             r.time_total, r.time_draft = wall * share, self._time_draft * share
             r.time_target = (self.target.time_forward - t_target0) * share
-        return BatchGenerationResult(results, wall)
+        return BatchGenerationResult(results, wall, batch_size=width, time_draft=self._time_draft, **stats)
 
-    def _prefill(self, rows, prompts, tokens, results, limits, eos) -> list[int]:
-        """The target reads every prompt (right-padded) and produces each row's first (pending) token."""
+    def _admit(self, rows, new, prompts, tokens, results, limits, eos) -> list[int]:
+        """The target reads the prompts ``new`` (right-padded, in a forward of their own) and produces each
+        one's first (pending) token; they join the active rows after ``rows``."""
         sp = self.sampling
-        self.target.reset(len(rows))
-        ids, lens = _pad_rows([prompts[b] for b in rows], self.target.device)
-        logits, taps = self.target.forward(ids, lens, last_only=True)
+        ids, lens = _pad_rows([prompts[b] for b in new], self.target.device)
+        first_batch = not rows and self.target.batch_size == 0
+        logits, taps = self.target.admit(ids, lens)
         last = logits[:, 0]
         first = (last.argmax(-1) if sp.greedy else sample(sp.process(last), self.generator)).tolist()
-        done = []
-        for b, tok in zip(rows, first):
+        done = [False] * len(rows)
+        for b, tok in zip(new, first):
             tokens[b].append(tok)
             results[b].tokens.append(tok)
             done.append(tok in eos or limits[b] <= 1)
-        self._timed(self.proposer.prefill, [prompts[b] for b in rows], taps, first)
+        self._timed(self.proposer.prefill if first_batch else self.proposer.admit, [prompts[b] for b in new], taps,
+                    first)
+        rows = rows + list(new)
         self._after_round(rows, tokens)
         return self._drop(rows, done)
 
     def _drop(self, rows: list[int], done: list[bool]) -> list[int]:
         """Finished rows leave the batch: their rows are dropped from every cache by index."""
-        keep = [i for i, d in enumerate(done) if not d]
-        if len(keep) < len(rows) and keep:
-            self.target.select_rows(keep)
-            self.proposer.select_rows(keep)
+        if not any(done):
+            return rows
+        keep = fill_holes(done)
+        self.target.select_rows(keep)
+        self.proposer.select_rows(keep)
         return [rows[i] for i in keep]
 
     def _verify_rows(self, drafts: list[list[int]], qs: list, logits: Tensor) -> list[tuple[int, int]]:

@@ -447,6 +447,14 @@ class Eagle3Cache:
     def batch_size(self) -> int:
         return self.k[0].shape[0]
 
+    def head(self, rows: int) -> "Eagle3Cache":
+        """A cache over the first ``rows`` rows of this one's buffers (views: its writes land here), with this
+        cache's length (batched decoding keeps a fixed buffer and decodes its leading, active rows)."""
+        out = Eagle3Cache.__new__(Eagle3Cache)
+        out.k, out.v = [t[:rows] for t in self.k], [t[:rows] for t in self.v]
+        out.length = self.length
+        return out
+
     def truncate(self, n: int) -> None:
         """Keep positions ``[0, n)``."""
         n = int(n)
