@@ -136,6 +136,43 @@ def test_continuous_batching_refills_finished_rows(setup, method):
     assert dec.generate(setup.prompts, LIMITS, eos_token_id=setup.eos, batch_size=1).tokens == setup.ar
 
 
+@pytest.mark.parametrize("method", list(METHODS))
+def test_static_shapes_pad_to_row_and_token_buckets(setup, method):
+    """``static_shapes``: every verify (and draft-model) forward is padded to (row bucket, token bucket), the
+    dummy rows on free physical rows; outputs equal batch-1 AR, in one batch and under continuous batching."""
+    K = METHODS[method]
+    buckets = (1, 2, 4, 8)
+    runner = TargetRunner(setup.model, taps=(L,) if method == "medusa" else TAPS, max_len=MAX_LEN,
+                          static_shapes=True, buckets=buckets)
+    _, prop = make(setup, method)
+    if method == "draft_model":
+        prop = DraftModelProposer(setup.draft, max_len=256, static_shapes=True, buckets=buckets)
+    dec = BatchSpecDecoder(runner, prop, K)
+    for width in (None, 3):
+        assert dec.generate(setup.prompts, LIMITS, eos_token_id=setup.eos, batch_size=width).tokens == setup.ar
+    assert dec.target.cache.rows == 4  # the bucket of 3 rows
+    rows = {r for r, _ in dec.target.shapes}
+    tokens = {t for _, t in dec.target.shapes}
+    assert rows <= set(buckets) and tokens <= set(buckets) and len(rows) > 1  # the batch shrank through buckets
+    # a verify of the pending token + K drafts (fewer near a row's limit, or prompt lookup without a match)
+    assert max(tokens) == (1 if method == "ar" else next(b for b in buckets if b >= K + 1))
+    if method == "draft_model":
+        assert dec.proposer.runner.shapes and dec.proposer.runner.cache.rows == 4
+
+
+def test_static_shapes_compiled_on_cpu():
+    """``static_shapes=true compile=true`` with B > 1 on CPU (inductor; CUDA graphs on a GPU: tests/test_gpu.py):
+    one graph per (row bucket, token bucket) shape, the same tokens as batch-1 AR, with continuous batching."""
+    s = build("llama")
+    runner = TargetRunner(s.model, taps=TAPS, max_len=MAX_LEN, static_shapes=True, compile=True, buckets=(4,),
+                          timing=False)
+    dec = BatchSpecDecoder(runner, Eagle3ChainProposer(s.drafter, max_len=256), METHODS["eagle3"])
+    assert dec.target._compiled is not None
+    for width in (None, 2):
+        assert dec.generate(s.prompts, LIMITS, eos_token_id=s.eos, batch_size=width).tokens == s.ar
+    assert dec.target.shapes == {(4, 4)}  # 4 rows (one to four active) x the 4-token verify: one shape
+
+
 @pytest.mark.parametrize("method", ["pld", "eagle3"])
 def test_a_full_row_ends_as_at_batch_1(method):
     """A target ``max_len`` that the 40-token prompt's row fills first: that row stops where batch 1 stops (the

@@ -7,6 +7,7 @@ bf16 autocast in training. ``scripts/gpu_check.sh`` runs them together with the 
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -127,3 +128,32 @@ def test_bf16_training_run_on_cuda(tmp_path):
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["device"].startswith("cuda") and report["outputs_match_baseline"] is True
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+def test_batched_greedy_equals_batch1_ar_on_cuda(graphs):
+    """decode.batch_size > 1 on the GPU (drafttrain/decoding/batched.py), eager and under
+    ``static_shapes=true compile=true`` (a CUDA graph per (row bucket, token bucket)), with continuous
+    batching: prompts of mixed lengths, rows ending at different rounds, every row equal to batch-1 AR."""
+    from drafttrain.decoding.batched import BatchSpecDecoder
+
+    from .test_batched_decoding import LIMITS, METHODS, build
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    s = build("llama")
+    model, draft, drafter, heads = (copy.deepcopy(m).cuda() for m in (s.model, s.draft, s.drafter, s.heads))
+    kw = dict(static_shapes=graphs, compile=graphs, buckets=(1, 2, 4, 8))
+    ar = [SpecDecoder(TargetRunner(model, max_len=96), NoDraft(), 0).generate(p, n, s.eos).tokens
+          for p, n in zip(s.prompts, LIMITS)]
+    for method, K in METHODS.items():
+        taps = (4,) if method == "medusa" else (1, 2, 3)
+        runner = TargetRunner(model, taps=taps, max_len=96, timing=False, **kw)
+        prop = {"ar": NoDraft, "pld": lambda: PromptLookupProposer(max_ngram=3, num_tokens=4),
+                "eagle3": lambda: Eagle3ChainProposer(drafter, max_len=256),
+                "medusa": lambda: MedusaChainProposer(heads),
+                "draft_model": lambda: DraftModelProposer(draft, max_len=256, **kw)}[method]()
+        dec = BatchSpecDecoder(runner, prop, K)
+        for width in (None, 2):
+            assert dec.generate(s.prompts, LIMITS, eos_token_id=s.eos, batch_size=width).tokens == ar, (method, width)
+        if graphs:
+            assert dec.target._compiled is not None and dec.target.shapes

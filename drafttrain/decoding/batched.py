@@ -1,9 +1,12 @@
 """Batched chain speculative decoding: B prompts decoded together (``decode.batch_size > 1``).
 
 :class:`BatchSpecDecoder` wraps the batch-1 parts (a :class:`TargetRunner` and a chain proposer, built as for
-:class:`~drafttrain.decoding.engine.SpecDecoder`) and decodes a list of prompts in one batch. Each row keeps its
-own accepted length per round (ragged acceptance), its own position and its own end (eos or its own
-``max_new_tokens``); a finished row leaves the batch: its row is dropped from every cache by index.
+:class:`~drafttrain.decoding.engine.SpecDecoder`) and decodes a list of prompts, at most ``batch_size`` rows at
+a time. Each row keeps its own accepted length per round (ragged acceptance), its own position and its own end
+(eos or its own ``max_new_tokens``); a finished row leaves the batch, and the next waiting prompt takes its
+place (continuous batching): the newcomers are prefilled in a forward of their own, into the free physical
+rows, and join the next round. Caches have a fixed number of physical rows; the active rows are the leading
+ones, a row that leaves is replaced in place by one of the last rows (:func:`fill_holes`: the fewest copies).
 
 Target (and a draft model): :class:`BatchRunner`, per-layer K/V ``[B, Hkv, capacity, D]`` with one **write
 pointer per row** (``lengths[b]``). Row b holds its committed tokens at slots ``0 .. lengths[b] - 1`` and slot
@@ -34,8 +37,13 @@ Statistics: a :class:`~drafttrain.decoding.engine.GenerationResult` per row (rou
 accepted / reached per position); a row's times are the call's times divided by the number of prompts, so
 ``aggregate`` over the rows gives the batch's throughput.
 
+Static shapes (``TargetRunner(static_shapes=True)``): the target's (and a draft model's) forwards of B rows ×
+n tokens are padded to (row bucket, token bucket), dummy rows on free physical rows at pointer 0, attending
+over the whole buffer, masked; with ``compile`` one graph per shape (CUDA graphs on CUDA). Prefills run
+unpadded; the EAGLE-3 drafter's and Medusa heads' batched steps run eagerly.
+
 Not supported with B > 1 (one clear ``DraftTrainError``): tree proposers, grammar-constrained decoding,
-typical acceptance, static shapes / compile.
+typical acceptance.
 """
 from __future__ import annotations
 
