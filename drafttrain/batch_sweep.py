@@ -116,6 +116,19 @@ def _call_rounds(calls) -> tuple[float, int, float]:
     return draft, rounds, mean_rows
 
 
+def _phases(calls) -> dict:
+    """AR's and speculative decoding's decode-phase tokens/s (outside the admissions' prefills) and the
+    prefills' share of the wall time, over a batched run's calls."""
+    out = {}
+    for i, key in enumerate(("ar", "spec")):
+        res = [c[i] for c in calls]
+        n = sum(max(len(r.tokens) - 1, 0) for c in res for r in c.results)
+        wall, pre = sum(c.time_total for c in res), sum(c.time_prefill for c in res)
+        out[f"{key}_decode_tokens_per_s"] = n / (wall - pre) if wall > pre and n else None
+        out[f"{key}_prefill_share"] = pre / wall if wall else None
+    return out
+
+
 def _row(B: int, m, path: str) -> dict:
     from .decoding.engine import aggregate
 
@@ -154,6 +167,7 @@ def batch_sweep(run, batch_sizes: Sequence[int], *, cost_reps: int = 5) -> dict:
             row = _row(B, m, "batched")
             row["spec_target_forwards"] = run.batched[1].target.num_forwards  # prefills + verify rounds, all groups
             draft, row["rounds"], row["mean_rows_per_round"] = _call_rounds(m.calls)
+            row.update(_phases(m.calls))
             row["draft_s_per_round"] = draft / max(row["rounds"], 1)
             row["continuous_batching"] = bool(getattr(run.decode, "continuous_batching", True))
             rows.append(row)
@@ -176,6 +190,8 @@ def batch_sweep(run, batch_sizes: Sequence[int], *, cost_reps: int = 5) -> dict:
     b1 = next(r for r in rows if r["batch_size"] == 1) if sizes[0] == 1 else None
     for r in rows:  # what batching itself gives AR: end to end, and per token of one target forward
         r["ar_vs_batch1"] = r["ar_tokens_per_s"] / b1["ar_tokens_per_s"] if b1 else None
+        r["ar_decode_vs_batch1"] = r["ar_decode_tokens_per_s"] / b1["ar_decode_tokens_per_s"] \
+            if b1 and r["ar_decode_tokens_per_s"] and b1["ar_decode_tokens_per_s"] else None
         r["forward_vs_batch1"] = costs[1, 1] * r["batch_size"] / costs[r["batch_size"], 1] if b1 else None
     return {
         "batch_sizes": sizes, "rows": rows, "batch1_decoder": one, "num_prompts": len(run.prompts),
@@ -197,16 +213,18 @@ def format_table(sweep: dict) -> str:
             f"{sweep['num_prompts']} prompts x up to {sweep['max_new_tokens']} new tokens; crossover: "
             f"{sweep['crossover'] if sweep['crossover'] is not None else 'none up to B = ' + str(sweep['batch_sizes'][-1])}")
     one = sweep["batch1_decoder"]
-    lines = [head, "", "| B | AR tok/s | spec tok/s | speedup | predicted | error | τ | α | AR tok/s ÷ B=1 | "
-                       "forward tok/s ÷ B=1 |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    lines = [head, "", "| B | AR tok/s | spec tok/s | speedup | predicted | error | τ | α | rows/round | "
+                       "AR tok/s ÷ B=1 | AR decode phase ÷ B=1 | AR prefill share | forward tok/s ÷ B=1 |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
              f"| 1 (batch-1 decoder) | {f(one['ar_tokens_per_s'], '.1f')} | {f(one['spec_tokens_per_s'], '.1f')} | "
-             f"{f(one['speedup'])}x |  |  | {f(one['tau'])} | {f(one['alpha'])} |  |  |"]
+             f"{f(one['speedup'])}x |  |  | {f(one['tau'])} | {f(one['alpha'])} |  |  |  |  |  |"]
     for r in sweep["rows"]:
-        err = r["prediction_error"]
+        err, share = r["prediction_error"], r.get("ar_prefill_share")
         lines.append(f"| {r['batch_size']} | {f(r['ar_tokens_per_s'], '.1f')} | {f(r['spec_tokens_per_s'], '.1f')} | "
                      f"{f(r['speedup'])}x | {f(r['predicted_speedup'])}x | {'' if err is None else f'{err:+.0%}'} | "
-                     f"{f(r['tau'])} | {f(r['alpha'])} | {f(r.get('ar_vs_batch1'))}x | "
-                     f"{f(r.get('forward_vs_batch1'))}x |")
+                     f"{f(r['tau'])} | {f(r['alpha'])} | {f(r.get('mean_rows_per_round'), '.1f')} | "
+                     f"{f(r.get('ar_vs_batch1'))}x | {f(r.get('ar_decode_vs_batch1'))}x | "
+                     f"{'' if share is None else f'{share:.0%}'} | {f(r.get('forward_vs_batch1'))}x |")
     return "\n".join(lines)
 
 

@@ -84,6 +84,7 @@ def test_eval_batch_sizes_measures_every_size_beside_its_prediction(tmp_path):
         assert r["target_s_verify"] > 0 and r["draft_s_per_round"] >= 0
         assert r["continuous_batching"] and 1 <= r["mean_rows_per_round"] <= r["batch_size"]
         assert sum(r["verify_width_law"]) == pytest.approx(1.0)
+        assert r["ar_decode_tokens_per_s"] > r["ar_tokens_per_s"] and 0 < r["ar_prefill_share"] < 1
         assert min(r["target_s_ar"], r["target_s_verify"]) <= r["target_s_verify_expected"] <= \
             max(r["target_s_ar"], r["target_s_verify"]) * 1.5  # between a one-token and a K+1 forward (noise)
     fw = {r["batch_size"]: r["spec_target_forwards"] for r in sw["rows"]}
@@ -92,6 +93,7 @@ def test_eval_batch_sizes_measures_every_size_beside_its_prediction(tmp_path):
     below = [r["batch_size"] for r in sw["rows"] if r["speedup"] < 1]
     assert sw["crossover"] == (below[0] if below else None)
     assert sw["rows"][0]["ar_vs_batch1"] == 1.0 and sw["rows"][0]["forward_vs_batch1"] == 1.0
+    assert sw["rows"][0]["ar_decode_vs_batch1"] == 1.0
     assert sw["rows"][2]["forward_vs_batch1"] == pytest.approx(
         4 * sw["rows"][0]["target_s_ar"] / sw["rows"][2]["target_s_ar"])
     assert 1 < one["tau"] <= 4  # prompt lookup accepts drafts here, or the rows prove little

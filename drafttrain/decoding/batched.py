@@ -687,6 +687,14 @@ class BatchGenerationResult:
     prefills: int = 0  # admissions (target forwards of newcomers' prompts)
     row_rounds: int = 0  # sum over the rounds of the rows in them (row_rounds / rounds: the mean batch)
     time_draft: float = 0.0  # the drafter's seconds, the whole call
+    time_prefill: float = 0.0  # the admissions' seconds (prompts' prefill, first tokens, the drafter's priming)
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after each row's first, per second outside the admissions: the decode phase's throughput."""
+        n = sum(max(len(r.tokens) - 1, 0) for r in self.results)
+        t = self.time_total - self.time_prefill
+        return n / t if t > 0 and n else None
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -766,14 +774,16 @@ class BatchSpecDecoder:
         waiting = deque(b for b, m in enumerate(limits) if m > 0)
         tokens = {b: list(p) for b, p in enumerate(prompts)}
         rows: list[int] = []
-        stats = {"rounds": 0, "prefills": 0, "row_rounds": 0}
+        stats = {"rounds": 0, "prefills": 0, "row_rounds": 0, "time_prefill": 0.0}
         phys = (self.target.bucket(width) if self.target.static_shapes else None) or width  # physical rows
         self.target.reset(0, rows=phys)
         self.proposer.rows = phys
         while rows or waiting:
             if waiting and len(rows) < width:
                 new = [waiting.popleft() for _ in range(min(width - len(rows), len(waiting)))]
+                t0 = time.perf_counter()
                 rows = self._admit(rows, new, prompts, tokens, results, limits, eos)
+                stats["time_prefill"] += time.perf_counter() - t0
                 stats["prefills"] += 1
                 continue  # rows that ended at their first token are refilled before the next round
             stats["rounds"] += 1
