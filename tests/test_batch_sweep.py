@@ -85,6 +85,8 @@ def test_eval_batch_sizes_measures_every_size_beside_its_prediction(tmp_path):
         assert r["continuous_batching"] and 1 <= r["mean_rows_per_round"] <= r["batch_size"]
         assert sum(r["verify_width_law"]) == pytest.approx(1.0)
         assert r["ar_decode_tokens_per_s"] > r["ar_tokens_per_s"] and 0 < r["ar_prefill_share"] < 1
+        assert r["decode_speedup"] == pytest.approx(r["spec_decode_tokens_per_s"] / r["ar_decode_tokens_per_s"])
+        assert r["decode_prediction_error"] == pytest.approx(r["decode_speedup"] / r["predicted_speedup"] - 1)
         assert min(r["target_s_ar"], r["target_s_verify"]) <= r["target_s_verify_expected"] <= \
             max(r["target_s_ar"], r["target_s_verify"]) * 1.5  # between a one-token and a K+1 forward (noise)
     fw = {r["batch_size"]: r["spec_target_forwards"] for r in sw["rows"]}
