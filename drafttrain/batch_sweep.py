@@ -84,26 +84,36 @@ def target_costs(model, batch_sizes: Sequence[int], tokens: Sequence[int], conte
                  vocab: int | None = None) -> dict[tuple[int, int], float]:
     """Median seconds of one target forward of ``n`` new tokens per row for ``B`` rows that already hold
     ``context`` tokens (random ids), for every B in ``batch_sizes`` and n in ``tokens``: ``{(B, n): s}``.
-    Each forward is rolled back by index before the next one, so every timing sees the same context."""
+    Each forward is rolled back by index before the next one, so every timing sees the same context. The
+    ``reps`` timings of a shape are spread over ``reps`` passes through every shape (interleaved), so a burst
+    of load on a shared machine does not land on one shape's timings only."""
     from .decoding.batched import BatchRunner
 
-    runner = BatchRunner(model, max_len=int(context) + max(tokens) + 1, slack=max(tokens) + 8)
-    V = int(vocab or runner.vocab_size)
+    V = int(vocab or _vocab(model))
     g = torch.Generator().manual_seed(0)
-    out = {}
-    for B in batch_sizes:
-        runner.reset(int(B))
-        runner.forward(torch.randint(0, V, (int(B), int(context)), generator=g).to(runner.device))
+    runners, ids = {}, {}
+    for B in batch_sizes:  # one runner per B, its rows holding the context
+        r = runners[int(B)] = BatchRunner(model, max_len=int(context) + max(tokens) + 1, slack=max(tokens) + 8)
+        r.reset(int(B))
+        r.forward(torch.randint(0, V, (int(B), int(context)), generator=g).to(r.device))
         for n in tokens:
-            ids = torch.randint(0, V, (int(B), int(n)), generator=g).to(runner.device)
-            times = []
-            for _ in range(int(reps) + 1):  # the first is a warm-up
-                t0 = runner.time_forward
-                runner.forward(ids)
-                times.append(runner.time_forward - t0)
-                runner.set_lengths([int(context)] * int(B))
-            out[int(B), int(n)] = statistics.median(times[1:])
-    return out
+            ids[int(B), int(n)] = torch.randint(0, V, (int(B), int(n)), generator=g).to(r.device)
+    times: dict[tuple[int, int], list[float]] = {k: [] for k in ids}
+    for rep in range(int(reps) + 1):  # the first pass is a warm-up
+        for (B, n), x in ids.items():
+            r = runners[B]
+            t0 = r.time_forward
+            r.forward(x)
+            if rep:
+                times[B, n].append(r.time_forward - t0)
+            r.set_lengths([int(context)] * B)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _vocab(model) -> int:
+    from .targets.load import text_config
+
+    return int(text_config(model.config).vocab_size)
 
 
 def _call_rounds(calls) -> tuple[float, int, float]:
@@ -154,7 +164,7 @@ def _row(B: int, m, path: str) -> dict:
             "new_tokens": S["num_new_tokens"]}
 
 
-def batch_sweep(run, batch_sizes: Sequence[int], *, cost_reps: int = 5) -> dict:
+def batch_sweep(run, batch_sizes: Sequence[int], *, cost_reps: int = 9) -> dict:
     """Measure speedup against batch size on ``run``'s prompts (an ``eval.EvalRun``; every B decodes the same
     prompts) and predict it (module docstring). Returns the report's ``batch_sweep`` section."""
     from .eval import _batched_decoders, _measure_batched, measure
@@ -261,6 +271,9 @@ def plot_batch_sweep(sweep: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5.2, 3.4), dpi=120)
     ax.plot(bs, [r["speedup"] if r["speedup"] is not None else nan for r in rows], "o-", color="#C44E52",
             label="measured")
+    if any(r.get("decode_speedup") is not None for r in rows):
+        ax.plot(bs, [r.get("decode_speedup") if r.get("decode_speedup") is not None else nan for r in rows], "^:",
+                color="#DD8452", label="measured, decode phase")
     ax.plot(bs, [r["predicted_speedup"] for r in rows], "s--", color="#4C72B0", label="predicted")
     ax.axhline(1.0, color="gray", lw=0.8, ls=":")
     if sweep["crossover"] is not None:
@@ -277,4 +290,5 @@ def plot_batch_sweep(sweep: dict, path: Path) -> None:
     _save_fig(fig, path)
 
 
-__all__ = ["batch_sweep", "expected_tau", "expected_tau_from_counts", "format_table", "plot_batch_sweep", "predicted_speedup", "target_costs"]
+__all__ = ["batch_sweep", "decode_phase", "expected_tau", "expected_tau_from_counts", "format_table", "plot_batch_sweep",
+           "predicted_speedup", "target_costs", "verify_width_law"]
