@@ -2,7 +2,7 @@
 
     DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/batch_bench.py --out /tmp/batch \
         --drafters eagle3=<eagle3 run>/final draft_model=<draft_model run>/final pld \
-        --batch-sizes 1 2 4 8 16 32 --prompts 32 --max-new-tokens 64
+        --batch-sizes 1 2 4 8 16 32 --prompts 128 --max-new-tokens 64
 
 Each drafter (``pld`` needs none) is one ``drafttrain eval … decode.batch_sizes=[…]`` run: every batch size
 decodes the same ``--prompts`` held-out prompts, greedy, chain, K = 4, batched AR against batched speculative,
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--drafters", nargs="+", required=True, help="name=dir, or pld")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every eval")
     a = ap.parse_args()

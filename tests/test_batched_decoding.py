@@ -136,6 +136,23 @@ def test_continuous_batching_refills_finished_rows(setup, method):
     assert dec.generate(setup.prompts, LIMITS, eos_token_id=setup.eos, batch_size=1).tokens == setup.ar
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_a_long_prompt_joins_a_long_row(method):
+    """Continuous batching near the cache's end: a 40-token prompt joins while the other row holds ~55
+    positions of a 75-position cache (its prefill must not be padded onto the held row's block)."""
+    s = build("llama")
+    K, max_len = METHODS[method], 75
+    prompts, limits = [s.prompts[1], s.prompts[0], s.prompts[1]], [30, 14, 8]
+    ref = []
+    for p, n in zip(prompts, limits):
+        r1 = TargetRunner(s.model, max_len=max_len)
+        ref.append(SpecDecoder(r1, NoDraft(), 0).generate(p, n).tokens)
+    runner, prop = make(s, method)
+    runner.max_len = max_len
+    out = BatchSpecDecoder(runner, prop, K).generate(prompts, limits, batch_size=2)
+    assert out.tokens == ref and out.prefills == 2
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_static_shapes_pad_to_row_and_token_buckets(setup, method):
     """``static_shapes``: every verify (and draft-model) forward is padded to (row bucket, token bucket), the

@@ -457,8 +457,11 @@ class _BatchDraftModel(_BatchNone):
         self._cached = [[] for _ in prompts]  # fed lazily by the first propose, with the pending token
 
     def admit(self, prompts, taps, firsts) -> None:
-        self.runner.add_rows(len(prompts))  # empty rows: their prompts are fed by the next propose
-        self._cached.extend([] for _ in prompts)
+        # the newcomers' prompts in a forward of their own (fed with the held rows' one-token catch-ups, a
+        # right-padded block would write a prompt's length past every held row's pointer)
+        ids, n = _pad_rows(prompts, self.runner.device)
+        self.runner.admit(ids, n)
+        self._cached.extend(list(p) for p in prompts)
 
     def _rollback(self, tokens: list[list[int]]) -> list[list[int]]:
         keep = []
