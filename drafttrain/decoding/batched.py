@@ -151,9 +151,11 @@ class BatchRunner:
     """An HF causal LM over B rows, row b holding positions ``[0, lengths[b])`` at slots of the same index
     (see the module docstring). ``forward`` appends a right-padded block; ``set_lengths`` rolls rows back.
 
-    ``static_shapes``: the CUDA-graph path. The cache has a fixed number of physical rows (``reset(…, rows=)``,
-    the smallest bucket holding the decoder's batch), allocated once and never moved: rows leave by an
-    in-place copy to the front, newcomers are prefilled into the free rows after the active ones. A forward of
+    The cache has a fixed number of physical rows (``reset(…, rows=)``: the decoder's batch, under static
+    shapes its bucket), allocated once and never moved: rows leave by an in-place copy to the front, newcomers
+    are prefilled into the free rows after the active ones (:meth:`admit`).
+
+    ``static_shapes``: the CUDA-graph path. A forward of
     B rows × n tokens (n within the largest bucket) is padded to ``bucket(B)`` rows × ``bucket(n)`` tokens
     (dummy rows at pointer 0, on free physical rows) and attends over the whole buffer, masked, so there is
     one shape per (row bucket, token bucket); ``compile`` runs it through ``torch.compile`` (CUDA graphs on
@@ -231,12 +233,6 @@ class BatchRunner:
     def _check_room(self, n: int) -> None:
         if self.batch_size + int(n) > self.cache.rows:
             raise ValueError(f"{self.batch_size} + {n} rows, the cache has {self.cache.rows}")
-
-    def add_rows(self, n: int) -> None:
-        """``n`` empty rows after the others (nothing committed yet: their first forward is their prefill)."""
-        self._check_room(n)
-        add = torch.zeros(int(n), dtype=torch.long, device=self.device)
-        self.lengths, self._held = torch.cat([self.lengths, add]), torch.cat([self._held, add])
 
     @torch.no_grad()
     def admit(self, ids: Tensor, n_real: Tensor | Sequence[int]) -> tuple[Tensor, Tensor | None]:
