@@ -318,6 +318,12 @@ class DecodeConfig:
     # batch_size > 1: stream the prompts through B rows, a finished row refilled by the next prompt (what
     # serving engines do); false: groups of B prompts, each decoded until its last row ends
     continuous_batching: bool = True
+    # continuous batching: newcomers wait until at least this many rows are free (or every waiting prompt
+    # fits), so one prefill forward admits several of them; 1: a finished row is refilled at once; 0: B // 4
+    admit_min: int = num(0, ge=0)
+    # batch_size > 1: the newcomers' prompts prefilled in one unpadded forward (back to back in one row, a
+    # block-diagonal causal mask); false: one right-padded forward, N rows x the longest prompt
+    packed_prefill: bool = True
     # speedup against batch size: every B decodes the same prompts, batched AR vs batched speculative, with a
     # predicted speedup and the crossover (drafttrain/batch_sweep.py); [] = none; needs >= max(B) prompts
     batch_sizes: List[int] = nums(list, ge=1)

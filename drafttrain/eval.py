@@ -315,9 +315,10 @@ def _batched_decoders(run: EvalRun, ar_runner) -> tuple:
         raise DraftTrainError("decode.batch_size>1 does not support decode.method=oracle (per-prompt references)")
     if any(c is not None for c in run.compiled):
         raise DraftTrainError("decode.batch_size>1 does not support grammar-constrained decoding (decode.grammar)")
-    ar = BatchSpecDecoder(ar_runner, NoDraft(), 0, seed=d.seed, **_sampling(d))
+    packed = bool(getattr(d, "packed_prefill", True))
+    ar = BatchSpecDecoder(ar_runner, NoDraft(), 0, seed=d.seed, packed_prefill=packed, **_sampling(d))
     spec = BatchSpecDecoder(run.sp_runner, run.proposer, run.K, seed=d.seed, typical=bool(d.typical_acceptance),
-                            draft_temperature=d.draft_temperature, **_sampling(d))
+                            draft_temperature=d.draft_temperature, packed_prefill=packed, **_sampling(d))
     return ar, spec
 
 
@@ -343,7 +344,8 @@ def _measure_batched(run: EvalRun) -> Measured:
         for j, g in enumerate(groups):
             ps, seed = [prompts[i] for i in g], decode.seed + g[0]
             calls = [(ar, "a"), (spec, "s")] if (j + rep) % 2 == 0 else [(spec, "s"), (ar, "a")]
-            out = {k: dec.generate(ps, n_new, run.eos, seed=seed, batch_size=width) for dec, k in calls}
+            out = {k: dec.generate(ps, n_new, run.eos, seed=seed, batch_size=width,
+                                   admit_min=int(getattr(decode, "admit_min", 0))) for dec, k in calls}
             a, s = out["a"], out["s"]
             m.calls.append((a, s))
             for ra, rs in zip(a.results, s.results):

@@ -136,6 +136,29 @@ def test_continuous_batching_refills_finished_rows(setup, method):
     assert dec.generate(setup.prompts, LIMITS, eos_token_id=setup.eos, batch_size=1).tokens == setup.ar
 
 
+@pytest.mark.parametrize("method", ["ar", "eagle3", "draft_model"])
+def test_admit_min_groups_the_newcomers(setup, method):
+    """``admit_min=2`` with 3 rows over six prompts: after the first batch, newcomers wait until two rows are
+    free and are prefilled together (fewer admissions than refilling at once), and every row still equals its
+    batch-1 AR output with the batch-1 decoder's statistics."""
+    K = METHODS[method]
+    prompts, limits = setup.prompts + setup.prompts[:2], LIMITS + [7, 9]  # (within the first two rows' limits)
+    ref = setup.ar + [t[:n] for t, n in zip(setup.ar[:2], limits[4:])]
+    runner1, prop1 = make(setup, method)
+    one = [SpecDecoder(runner1, prop1, K).generate(p, n, setup.eos) for p, n in zip(prompts, limits)]
+    runs = {}
+    for m in (1, 2):
+        runner, prop = make(setup, method)
+        dec = Watched(runner, prop, K)
+        out = runs[m] = dec.generate(prompts, limits, eos_token_id=setup.eos, batch_size=3, admit_min=m)
+        assert out.tokens == ref
+        for o, r in zip(out.results, one):
+            assert (o.num_rounds, o.accepted_per_position) == (r.num_rounds, r.accepted_per_position)
+        if m == 2:  # a round runs with a free row rather than admitting one newcomer alone
+            assert min(dec.sizes[:-1]) < 3 and runs[2].prefills < runs[1].prefills
+    assert runs[1].prefills == 1 + 3  # the first batch, then each of the three newcomers on its own
+
+
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 def test_a_long_prompt_joins_a_long_row(method):
     """Continuous batching near the cache's end: a 40-token prompt joins while the other row holds ~55
@@ -217,6 +240,46 @@ def test_sliding_window_target():
     assert BatchSpecDecoder(runner, PromptLookupProposer(num_tokens=3), 3).generate(prompts, 12).tokens == ref
 
 
+@pytest.mark.parametrize("window", [None, 8])
+def test_packed_prefill_equals_the_padded_one(window):
+    """``BatchRunner.admit`` of prompts of very different lengths, packed (one row, a block-diagonal mask) and
+    right-padded, into rows after one that is held: the same last-token logits, taps and lengths, and the same
+    K/V at every visible slot (Qwen2 with GQA; Mistral with a sliding window shorter than the prompts); the held
+    row is left as it was. Without a window, a full prefill of its own is also the reference for the keys."""
+    from drafttrain.decoding.batched import BatchRunner, _pad_rows
+
+    torch.manual_seed(0)
+    model = (tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON)) if window is None else
+             tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=window))).eval()
+    prompts = build("llama").prompts
+    held, new = prompts[0], prompts[1:]  # 40, 9 and 17 tokens join a row of 3
+    outs = {}
+    for packed in (True, False):
+        r = BatchRunner(model, TAPS, max_len=MAX_LEN, packed_prefill=packed)
+        r.reset(0, rows=4)
+        r.admit(*_pad_rows([held], "cpu"))
+        before = [layer.keys[0, :, :len(held)].clone() for layer in r.cache.layers]
+        n0 = r.num_forwards
+        logits, taps = r.admit(*_pad_rows(new, "cpu"))
+        assert r.num_forwards == n0 + 1 and r.lengths.tolist() == [len(held)] + [len(p) for p in new]
+        for layer, b in zip(r.cache.layers, before):
+            assert torch.equal(layer.keys[0, :, :len(held)], b)
+        outs[packed] = (logits, taps, r)
+    (lp, tp, rp), (lq, tq, rq) = outs[True], outs[False]
+    assert lp.shape == lq.shape == (3, 1, V) and torch.allclose(lp, lq, atol=1e-5)
+    assert tp.shape == tq.shape
+    for i, p in enumerate(new):
+        assert (tp[i, : len(p)] - tq[i, : len(p)]).abs().max() < 1e-4, (tp[i, : len(p)] - tq[i, : len(p)]).abs().max()
+        assert not tp[i, len(p):].any()  # padding positions are zeros
+        if window is None:  # (HF's own cache keeps only the window's last slots)
+            for layer, fresh in zip(rp.cache.layers, _fresh_keys(model, p)):
+                assert torch.allclose(layer.keys[1 + i, :, : len(p)], fresh, atol=1e-5)
+        for a, b in zip(rp.cache.layers, rq.cache.layers):
+            for buf in ("keys", "values"):
+                x, y = getattr(a, buf)[1 + i, :, : len(p)], getattr(b, buf)[1 + i, :, : len(p)]
+                assert torch.allclose(x, y, atol=1e-5)
+
+
 def _fresh_keys(model, tokens: list[int]):
     """Per layer K ``[H, n, D]`` of a fresh batch-1 prefill of ``tokens`` (no cache reuse at all)."""
     with torch.no_grad():
@@ -286,7 +349,8 @@ def test_rollback_leaves_no_stale_visible_entries(setup, method):
 # ------------------------------------------------------------------- exact distribution (toy target, V=5)
 class BatchToyLM(nn.Module):
     """The toy LM of tests/test_decoding.py over B rows: logits at position t are ``table[x_{t-1}, x_t]``; the
-    token history is kept in the model's cache (tokens stored as one-dimensional keys), read by position."""
+    token history is kept in the model's cache (tokens stored as one-dimensional keys), read by position (by slot
+    in a packed prefill, whose keys are the packed row itself)."""
 
     def __init__(self, vocab: int, seed: int):
         super().__init__()
@@ -305,6 +369,8 @@ class BatchToyLM(nn.Module):
         x = input_ids.float()[:, None, :, None]
         hist = cache.update(x, x, 0)[0][:, 0, :, 0].long()  # [B, kv]: slot = position
         before = position_ids - 1
+        if cache.packed:  # a packed prefill (prompts back to back in one row): the previous token is the previous slot
+            before = torch.where(position_ids > 0, torch.arange(input_ids.shape[1])[None] - 1, -1)
         prev = torch.where(before >= 0, hist.gather(1, before.clamp_min(0)), self.V)
         h = self.emb[prev, input_ids]
         return SimpleNamespace(logits=self.table[prev, input_ids], hidden_states=(h, torch.tanh(h)))

@@ -108,6 +108,9 @@ class _RowLayer(CacheLayerMixin):
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.owner.packed:  # a packed prefill attends within its own row; the runner scatters it after
+            self.pending = (key_states, value_states)
+            return key_states, value_states
         idx = self.owner.write_index  # [B, n]
         lo, hi = self.owner.row_window  # the physical rows this forward runs on
         keys, values = self.keys[lo:hi], self.values[lo:hi]
@@ -126,6 +129,14 @@ class _RowLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.capacity
 
+    def scatter_packed(self, rows: Tensor, slots: Tensor) -> None:
+        """Write the packed prefill's K/V (token i of the packed row -> physical row ``rows[i]``, slot
+        ``slots[i]``) into the buffers."""
+        k, v = self.pending
+        self.pending = None
+        self.keys[rows, :, slots] = k[0].transpose(0, 1).to(self.keys.dtype)  # [S, H, D]
+        self.values[rows, :, slots] = v[0].transpose(0, 1).to(self.values.dtype)
+
     def move_rows(self, dst: list[int], src: list[int]) -> None:
         if self.is_initialized and dst:
             self.keys[dst], self.values[dst] = self.keys[src], self.values[src]
@@ -142,6 +153,7 @@ class RowKVCache(Cache):
         self.kv_len = 0
         self.write_index: Tensor | None = None
         self.row_window: tuple[int, int] = (0, int(rows))
+        self.packed = False  # a packed prefill is running (the layers hold its K/V for the runner to scatter)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.kv_len
@@ -164,7 +176,7 @@ class BatchRunner:
 
     def __init__(self, model, taps: tuple[int, ...] | None = None, max_len: int | None = None, slack: int = 64,
                  timing: bool = True, static_shapes: bool = False, buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 compile: bool = False):
+                 compile: bool = False, packed_prefill: bool = True):
         why = static_cache_support(model)
         if why:
             raise DraftTrainError(f"decode.batch_size>1: this model cannot be batched ({why})")
@@ -186,6 +198,7 @@ class BatchRunner:
         self._compiled = compile_static(self._padded_forward, self.device) if compile and self.static_shapes \
             else None
         self.shapes: set[tuple[int, int]] = set()  # the (rows, tokens) shapes of the padded forwards run
+        self.packed_prefill = bool(packed_prefill)
         self.cache: RowKVCache | None = None
         self.reset(1)
 
@@ -241,6 +254,8 @@ class BatchRunner:
         are). Returns the new rows' ``forward(..., last_only=True)``."""
         N, B0 = int(ids.shape[0]), self.batch_size
         self._check_room(N)
+        if self.packed_prefill and N > 1:
+            return self._admit_packed(ids, n_real)
         L, held = self.lengths, self._held
         self.lengths = self._held = torch.zeros(N, dtype=torch.long, device=self.device)
         self._offset = B0
@@ -250,6 +265,60 @@ class BatchRunner:
             self._offset = 0
         self.lengths, self._held = torch.cat([L, self.lengths]), torch.cat([held, self._held])
         return out
+
+    def _admit_packed(self, ids: Tensor, n_real: Tensor | Sequence[int]) -> tuple[Tensor, Tensor | None]:
+        """:meth:`admit` in one unpadded forward: the newcomers' prompts back to back in one row, each attending
+        to its own tokens only (a block-diagonal causal mask, positions from 0 per prompt), the K/V then
+        scattered into their physical rows. Costs their real tokens only, not N x the longest prompt."""
+        N, B0 = int(ids.shape[0]), self.batch_size
+        real = torch.as_tensor(n_real, dtype=torch.long, device=self.device).reshape(N)
+        if bool((real < 1).any()) or int(real.max()) > self.max_len:
+            raise ValueError(f"cannot prefill prompts of {real.tolist()} tokens (max_len {self.max_len})")
+        keep = torch.arange(ids.shape[1], device=self.device)[None, :] < real[:, None]
+        flat = ids.to(self.device)[keep][None]  # [1, S]
+        doc = torch.repeat_interleave(torch.arange(N, device=self.device), real)  # [S]
+        ends = torch.cumsum(real, 0)
+        pos = torch.arange(flat.shape[1], device=self.device) - (ends - real)[doc]  # [S]: 0.. per prompt
+        if self.timing:
+            _sync(self.device)
+        t0 = time.perf_counter()
+        self.cache.packed, self.cache.kv_len = True, int(flat.shape[1])
+        try:
+            out = self.model(input_ids=flat, position_ids=pos[None], attention_mask=self._packed_mask(pos, doc),
+                             cache=self.cache, use_cache=True, output_hidden_states=self.taps is not None,
+                             logits_to_keep=ends - 1)
+            rows = doc + B0
+            for layer in self.cache.layers:
+                layer.scatter_packed(rows, pos)
+        finally:
+            self.cache.packed = False
+        logits = out.logits.float()
+        logits = (logits[0, ends - 1] if logits.shape[1] != N else logits[0])[:, None]  # [N, 1, V]
+        taps = None
+        if self.taps is not None:  # right-padded [N, n, D], as the padded prefill returns them
+            t = gather_taps(out.hidden_states, self.taps)[0]
+            taps = t.new_zeros((N, ids.shape[1], t.shape[-1]))
+            taps[keep] = t
+        if self.timing:
+            _sync(self.device)
+        self.time_forward += time.perf_counter() - t0
+        self.num_forwards += 1
+        self.lengths, self._held = torch.cat([self.lengths, real]), torch.cat([self._held, real])
+        return logits, taps
+
+    def _packed_mask(self, pos: Tensor, doc: Tensor):
+        """``[1, 1, S, S]`` additive mask of a packed prefill: causal within each prompt (and its window)."""
+        same = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+
+        def one(window):
+            allow = same if not window else same & ((pos[:, None] - pos[None, :]) < window)
+            return torch.where(allow, 0.0, self._neg).to(self.dtype)[None, None]
+
+        if "sliding" not in self._kinds:
+            return one(None)
+        if self._kinds == {"sliding"}:
+            return one(self.window)
+        return {"full_attention": one(None), "sliding_attention": one(self.window)}
 
     def visible_slots(self, row: int) -> range:
         """The slots row ``row`` attends to before the next forward: exactly its committed positions."""
@@ -709,12 +778,13 @@ class BatchSpecDecoder:
 
     Args: as :class:`~drafttrain.decoding.engine.SpecDecoder` (the same validation; ``typical`` is refused);
     ``target``'s model, taps and ``max_len`` (per row) are reused by a :class:`BatchRunner`, ``proposer``'s
-    drafter / heads / draft model / n-gram rule by its batched state.
+    drafter / heads / draft model / n-gram rule by its batched state. ``packed_prefill``: several newcomers'
+    prompts are prefilled in one unpadded forward (:meth:`BatchRunner.admit`; false: right-padded).
     """
 
     def __init__(self, target: TargetRunner, proposer, num_draft_tokens: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, typical: bool = False,
-                 draft_temperature: float | None = None):
+                 draft_temperature: float | None = None, packed_prefill: bool = True):
         from .engine import SpecDecoder
 
         if typical and temperature > 0:
@@ -724,8 +794,10 @@ class BatchSpecDecoder:
                                draft_temperature=draft_temperature)
         self.K, self.sampling, self.generator = self.one.K, self.one.sampling, self.one.generator
         self.target = BatchRunner(target.model, target.taps, max_len=target.max_len, slack=self.K + 8,
-                                  timing=target.timing, **_static_options(target))
+                                  timing=target.timing, packed_prefill=packed_prefill, **_static_options(target))
         self.proposer = _batch_proposer(proposer, target.max_len, self.K)
+        if isinstance(self.proposer, _BatchDraftModel):
+            self.proposer.runner.packed_prefill = bool(packed_prefill)
         self._time_draft = 0.0
 
     def _timed(self, fn, *args):
@@ -745,13 +817,18 @@ class BatchSpecDecoder:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                  eos_token_id: int | Iterable[int] | None = None, seed: int | None = None,
-                 grammar=None, batch_size: int | None = None) -> BatchGenerationResult:
+                 grammar=None, batch_size: int | None = None, admit_min: int = 0) -> BatchGenerationResult:
         """Decode every prompt (up to its ``max_new_tokens``: one int or one per prompt; stops after eos).
         ``seed`` re-seeds the generator first. ``grammar`` is refused (batch 1 only).
 
         ``batch_size``: at most that many rows decode together, the other prompts wait in input order and a
         row that finishes is refilled by the next one (continuous batching: the newcomers are prefilled in a
-        forward of their own and join the next round). None: every prompt in one batch."""
+        forward of their own and join the next round). None: every prompt in one batch.
+
+        ``admit_min``: newcomers are admitted once at least that many rows are free (or every waiting prompt
+        fits, or no row is active), so one prefill forward serves several of them: a forward's fixed cost is
+        paid once per admission, against rows left idle until then. 1: refill at once; 0: a quarter of the
+        batch (at least 1)."""
         if grammar is not None:
             raise DraftTrainError("decode.batch_size>1 does not support grammar-constrained decoding (decode.grammar)")
         if batch_size is not None and int(batch_size) < 1:
@@ -777,8 +854,10 @@ class BatchSpecDecoder:
         phys = (self.target.bucket(width) if self.target.static_shapes else None) or width  # physical rows
         self.target.reset(0, rows=phys)
         self.proposer.rows = phys
+        need = min(int(admit_min) if admit_min else max(1, width // 4), width)
         while rows or waiting:
-            if waiting and len(rows) < width:
+            free = width - len(rows)
+            if waiting and free > 0 and (free >= min(need, len(waiting)) or not rows):
                 new = [waiting.popleft() for _ in range(min(width - len(rows), len(waiting)))]
                 t0 = time.perf_counter()
                 rows = self._admit(rows, new, prompts, tokens, results, limits, eos)
