@@ -137,9 +137,11 @@ class _RowLayer(CacheLayerMixin):
         self.keys[rows, :, slots] = k[0].transpose(0, 1).to(self.keys.dtype)  # [S, H, D]
         self.values[rows, :, slots] = v[0].transpose(0, 1).to(self.values.dtype)
 
-    def move_rows(self, dst: list[int], src: list[int]) -> None:
+    def move_rows(self, dst: list[int], src: list[int], upto: int | None = None) -> None:
+        """Copy rows ``src`` onto rows ``dst`` (their first ``upto`` slots; None: all)."""
         if self.is_initialized and dst:
-            self.keys[dst], self.values[dst] = self.keys[src], self.values[src]
+            n = self.keys.shape[2] if upto is None else int(upto)
+            self.keys[dst, :, :n], self.values[dst, :, :n] = self.keys[src, :, :n], self.values[src, :, :n]
 
 
 class RowKVCache(Cache):
@@ -238,8 +240,9 @@ class BatchRunner:
         buffers stay; the rows that change place are copied (:func:`fill_holes` makes that the fewest)."""
         keep = [int(r) for r in (rows.tolist() if isinstance(rows, Tensor) else rows)]
         dst, src = _moves(keep)
+        upto = int(self._held[src].max()) if src else 0  # slots past a row's held ones are never read
         for layer in self.cache.layers:
-            layer.move_rows(dst, src)
+            layer.move_rows(dst, src, upto)
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.lengths, self._held = self.lengths[idx], self._held[idx]
 
@@ -306,6 +309,14 @@ class BatchRunner:
         self.lengths, self._held = torch.cat([self.lengths, real]), torch.cat([self._held, real])
         return logits, taps
 
+    def _per_kind(self, one):
+        """The attention mask HF takes for this model's layer kinds, from ``one(window or None)``."""
+        if "sliding" not in self._kinds:
+            return one(None)
+        if self._kinds == {"sliding"}:
+            return one(self.window)
+        return {"full_attention": one(None), "sliding_attention": one(self.window)}
+
     def _packed_mask(self, pos: Tensor, doc: Tensor):
         """``[1, 1, S, S]`` additive mask of a packed prefill: causal within each prompt (and its window)."""
         same = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
@@ -314,11 +325,7 @@ class BatchRunner:
             allow = same if not window else same & ((pos[:, None] - pos[None, :]) < window)
             return torch.where(allow, 0.0, self._neg).to(self.dtype)[None, None]
 
-        if "sliding" not in self._kinds:
-            return one(None)
-        if self._kinds == {"sliding"}:
-            return one(self.window)
-        return {"full_attention": one(None), "sliding_attention": one(self.window)}
+        return self._per_kind(one)
 
     def visible_slots(self, row: int) -> range:
         """The slots row ``row`` attends to before the next forward: exactly its committed positions."""
@@ -333,11 +340,7 @@ class BatchRunner:
                 allow = allow & ((slots[:, :, None] - k[None, None, :]) < window)
             return torch.where(allow, 0.0, self._neg).to(self.dtype)[:, None]
 
-        if "sliding" not in self._kinds:
-            return one(None)
-        if self._kinds == {"sliding"}:
-            return one(self.window)
-        return {"full_attention": one(None), "sliding_attention": one(self.window)}
+        return self._per_kind(one)
 
     def _padded_forward(self, ids: Tensor, starts: Tensor):
         """Static shapes: ``ids [rows, tokens]`` at slots ``starts[b] + i`` over the whole buffer (masked). The
