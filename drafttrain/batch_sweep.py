@@ -263,7 +263,7 @@ def plot_batch_sweep(sweep: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .eval import _save_fig
+    from .io import save_figure
 
     rows = sweep["rows"]
     bs = [r["batch_size"] for r in rows]
@@ -287,7 +287,7 @@ def plot_batch_sweep(sweep: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     ax.set_title(f"{sweep['method']}, K={sweep['num_draft_tokens']}, T={sweep['temperature']:g}: speedup vs batch",
                  fontsize=9)
-    _save_fig(fig, path)
+    save_figure(fig, path)
 
 
 __all__ = ["batch_sweep", "decode_phase", "expected_tau", "expected_tau_from_counts", "format_table", "plot_batch_sweep",

@@ -16,7 +16,7 @@ import torch
 
 from .artifacts import drafter_type, load_drafter
 from .data.select import eval_conversations, eval_prompt_ids
-from .io import DraftTrainError, write_json
+from .io import DraftTrainError, save_figure, write_json
 
 
 def _fmt(x, spec=".3f"):
@@ -69,17 +69,6 @@ def _spread_note(report: dict) -> str:
     return note + ")"
 
 
-def _save_fig(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    from .io import atomic_path
-
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
-
-
 def plot_acceptance(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -94,7 +83,7 @@ def plot_acceptance(report: dict, path: Path) -> None:
     ax.set_ylim(0, 1)
     ax.set_title(f"{report['method']}: tau={_fmt(report['tau'], '.2f')}, speedup={_fmt(report['speedup'], '.2f')}x"
                  + (" (LOSSY)" if report.get("lossy") else ""), fontsize=9)
-    _save_fig(fig, path)
+    save_figure(fig, path)
 
 
 def plot_speedup(report: dict, path: Path) -> None:
@@ -117,7 +106,7 @@ def plot_speedup(report: dict, path: Path) -> None:
              label="tau")
     ax2.set_ylabel("tau")
     ax.set_title(f"{report['method']}: speedup and tau vs draft length", fontsize=9)
-    _save_fig(fig, path)
+    save_figure(fig, path)
 
 
 def sweep_lengths(decode, K: int, proposer) -> list[int]:

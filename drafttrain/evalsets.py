@@ -160,7 +160,7 @@ def plot_categories(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .eval import _save_fig
+    from .io import save_figure
 
     rows = report.get("categories") or []
     names = [r["category"] for r in rows] + ["total"]
@@ -174,4 +174,4 @@ def plot_categories(report: dict, path: Path) -> None:
     ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
     ax.set_ylabel("tau (tokens per target forward)")
     ax.set_title(f"{(report.get('eval_set') or {}).get('set', '')}: {rows[0]['decode'] if rows else ''}", fontsize=8)
-    _save_fig(fig, path)
+    save_figure(fig, path)

@@ -61,6 +61,16 @@ def write_text(path: str | os.PathLike, text: str) -> None:
             os.fsync(f.fileno())
 
 
+def save_figure(fig, path: str | os.PathLike) -> None:
+    """Write a matplotlib figure to ``path`` as a PNG, atomically, and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
