@@ -321,9 +321,12 @@ class DecodeConfig:
     # continuous batching: newcomers wait until at least this many rows are free (or every waiting prompt
     # fits), so one prefill forward admits several of them; 1: a finished row is refilled at once; 0: B // 4
     admit_min: int = num(0, ge=0)
-    # batch_size > 1: the newcomers' prompts prefilled in one unpadded forward (back to back in one row, a
+    # batch_size > 1: the newcomers' prompts prefilled in one unpadded forward (back to back in packed rows, a
     # block-diagonal causal mask); false: one right-padded forward, N rows x the longest prompt
     packed_prefill: bool = True
+    # packed prefill: the newcomers' prompts are balanced over ceil(tokens / max(this, longest prompt)) rows
+    # (the dense mask's attention costs a row's length squared); a large value packs them into one row
+    packed_row_tokens: int = num(256, ge=1)
     # speedup against batch size: every B decodes the same prompts, batched AR vs batched speculative, with a
     # predicted speedup and the crossover (drafttrain/batch_sweep.py); [] = none; needs >= max(B) prompts
     batch_sizes: List[int] = nums(list, ge=1)

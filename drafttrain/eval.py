@@ -296,7 +296,7 @@ def prepare(model, tokenizer, prompts: list[list[int]], proposer, decode, *, met
 
 def _batched_decoders(run: EvalRun, ar_runner) -> tuple:
     """``decode.batch_size > 1``: the AR and speculative ``BatchSpecDecoder`` (chain methods only)."""
-    from .decoding.batched import BatchSpecDecoder
+    from .decoding.batched import PACKED_ROW_TOKENS, BatchSpecDecoder
     from .decoding.proposers import NoDraft
 
     d = run.decode
@@ -304,10 +304,11 @@ def _batched_decoders(run: EvalRun, ar_runner) -> tuple:
         raise DraftTrainError("decode.batch_size>1 does not support decode.method=oracle (per-prompt references)")
     if any(c is not None for c in run.compiled):
         raise DraftTrainError("decode.batch_size>1 does not support grammar-constrained decoding (decode.grammar)")
-    packed = bool(getattr(d, "packed_prefill", True))
-    ar = BatchSpecDecoder(ar_runner, NoDraft(), 0, seed=d.seed, packed_prefill=packed, **_sampling(d))
+    packed = dict(packed_prefill=bool(getattr(d, "packed_prefill", True)),
+                  packed_row_tokens=int(getattr(d, "packed_row_tokens", PACKED_ROW_TOKENS)))
+    ar = BatchSpecDecoder(ar_runner, NoDraft(), 0, seed=d.seed, **packed, **_sampling(d))
     spec = BatchSpecDecoder(run.sp_runner, run.proposer, run.K, seed=d.seed, typical=bool(d.typical_acceptance),
-                            draft_temperature=d.draft_temperature, packed_prefill=packed, **_sampling(d))
+                            draft_temperature=d.draft_temperature, **packed, **_sampling(d))
     return ar, spec
 
 

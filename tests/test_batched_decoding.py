@@ -84,10 +84,11 @@ class Watched(BatchSpecDecoder):
 @pytest.mark.parametrize("method", list(METHODS))
 def test_batched_greedy_equals_batch1(setup, method):
     """Every row equals its batch-1 AR output token for token, and its statistics equal the batch-1
-    speculative decoder's (rounds, drafts accepted / reached per position): the drafter state is right too."""
+    speculative decoder's (rounds, drafts accepted / reached per position): the drafter state is right too.
+    The four prompts are prefilled in two packed rows (``packed_row_tokens=8``: the 40-token prompt alone)."""
     K = METHODS[method]
     runner, prop = make(setup, method)
-    dec = Watched(runner, prop, K)
+    dec = Watched(runner, prop, K, packed_row_tokens=8)
     out = dec.generate(setup.prompts, LIMITS, eos_token_id=setup.eos)
     assert out.tokens == setup.ar
     assert setup.ar[2][-1] == setup.eos and len(setup.ar[2]) < LIMITS[2]  # one row ended at eos
@@ -240,12 +241,13 @@ def test_sliding_window_target():
     assert BatchSpecDecoder(runner, PromptLookupProposer(num_tokens=3), 3).generate(prompts, 12).tokens == ref
 
 
-@pytest.mark.parametrize("window", [None, 8])
-def test_packed_prefill_equals_the_padded_one(window):
-    """``BatchRunner.admit`` of prompts of very different lengths, packed (one row, a block-diagonal mask) and
-    right-padded, into rows after one that is held: the same last-token logits, taps and lengths, and the same
-    K/V at every visible slot (Qwen2 with GQA; Mistral with a sliding window shorter than the prompts); the held
-    row is left as it was. Without a window, a full prefill of its own is also the reference for the keys."""
+@pytest.mark.parametrize("window,row_tokens", [(None, 256), (8, 256), (None, 40), (8, 40)])
+def test_packed_prefill_equals_the_padded_one(window, row_tokens):
+    """``BatchRunner.admit`` of prompts of very different lengths, packed (a block-diagonal mask; in one row, or
+    with ``row_tokens`` 40 in two: the 40-token prompt alone, the 17 and 9 together, padded) and right-padded,
+    into rows after one that is held: the same last-token logits, taps and lengths, and the same K/V at every
+    visible slot (Qwen2 with GQA; Mistral with a sliding window shorter than the prompts); the held row is left
+    as it was. Without a window, a full prefill of its own is also the reference for the keys."""
     from drafttrain.decoding.batched import BatchRunner, _pad_rows
 
     torch.manual_seed(0)
@@ -255,7 +257,7 @@ def test_packed_prefill_equals_the_padded_one(window):
     held, new = prompts[0], prompts[1:]  # 40, 9 and 17 tokens join a row of 3
     outs = {}
     for packed in (True, False):
-        r = BatchRunner(model, TAPS, max_len=MAX_LEN, packed_prefill=packed)
+        r = BatchRunner(model, TAPS, max_len=MAX_LEN, packed_prefill=packed, packed_row_tokens=row_tokens)
         r.reset(0, rows=4)
         r.admit(*_pad_rows([held], "cpu"))
         before = [layer.keys[0, :, :len(held)].clone() for layer in r.cache.layers]
@@ -278,6 +280,20 @@ def test_packed_prefill_equals_the_padded_one(window):
             for buf in ("keys", "values"):
                 x, y = getattr(a, buf)[1 + i, :, : len(p)], getattr(b, buf)[1 + i, :, : len(p)]
                 assert torch.allclose(x, y, atol=1e-5)
+
+
+def test_pack_rows_balances_the_rows():
+    """``pack_rows``: ceil(total / row_tokens) rows (never more than the items), every item once, longest first
+    to the shortest row, so the rows' lengths differ by at most the shortest item placed last."""
+    from drafttrain.decoding.batched import pack_rows
+
+    lens = [40, 9, 17, 3, 25, 25, 60, 1]
+    rows = pack_rows(lens, 64)
+    assert len(rows) == 3 and sorted(i for r in rows for i in r) == list(range(len(lens)))
+    loads = sorted(sum(lens[i] for i in r) for r in rows)
+    assert loads == [60, 60, 60]
+    assert pack_rows(lens, 1000) == [sorted(range(len(lens)), key=lambda i: -lens[i])]
+    assert [len(r) for r in pack_rows([5, 6], 1)] == [1, 1]
 
 
 def _fresh_keys(model, tokens: list[int]):
@@ -329,10 +345,13 @@ class Checked(BatchSpecDecoder):
                 torch.testing.assert_close(p.runner.cache.layers[0].keys[i, :, :n], fresh[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
-def test_rollback_leaves_no_stale_visible_entries(setup, method):
+@pytest.mark.parametrize("method,row_tokens", [("eagle3", 256), ("draft_model", 256), ("eagle3", 8),
+                                               ("draft_model", 8)])
+def test_rollback_leaves_no_stale_visible_entries(setup, method, row_tokens):
+    """After every round each row's visible K/V (target, draft model) and EAGLE-3 entries equal a fresh
+    prefill of its committed tokens; also when the admissions' packed prefill spans several rows."""
     runner, prop = make(setup, method)
-    dec = Checked(runner, prop, METHODS[method])
+    dec = Checked(runner, prop, METHODS[method], packed_row_tokens=row_tokens)
     dec.target_model = setup.model
     if method == "eagle3":
         dec.proposer.capacity = 56  # small: the drafter cache is compacted (holes gathered out) on the way

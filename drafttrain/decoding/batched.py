@@ -74,6 +74,26 @@ def _moves(keep: Sequence[int]) -> tuple[list[int], list[int]]:
     return dst, [int(keep[j]) for j in dst]
 
 
+PACKED_ROW_TOKENS = 256  # a packed prefill's target row length
+
+
+def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
+    """Split items of ``lengths`` into ``ceil(total / max(row_tokens, longest))`` packed rows of about equal
+    length (longest first, each to the shortest row so far): the rows are padded to the longest, so none is
+    shorter than the longest item needs. Returns the items' indices per row (no row is empty)."""
+    if not lengths:
+        return []
+    total, cap = sum(int(n) for n in lengths), max(int(row_tokens), max(int(n) for n in lengths), 1)
+    R = max(1, min(len(lengths), -(-total // cap)))
+    rows: list[list[int]] = [[] for _ in range(R)]
+    load = [0] * R
+    for i in sorted(range(len(lengths)), key=lambda j: -int(lengths[j])):
+        r = min(range(R), key=load.__getitem__)
+        rows[r].append(i)
+        load[r] += int(lengths[i])
+    return rows
+
+
 def fill_holes(done: Sequence[bool]) -> list[int]:
     """The surviving rows' order after the ``done`` ones leave: a survivor stays in its row, the holes below
     the new batch size are filled by the last survivors (the fewest rows move in the cache buffers)."""
@@ -129,13 +149,14 @@ class _RowLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.capacity
 
-    def scatter_packed(self, rows: Tensor, slots: Tensor) -> None:
-        """Write the packed prefill's K/V (token i of the packed row -> physical row ``rows[i]``, slot
-        ``slots[i]``) into the buffers."""
+    def scatter_packed(self, src: tuple[Tensor, Tensor], rows: Tensor, slots: Tensor) -> None:
+        """Write the packed prefill's K/V into the buffers: its token at (packed row ``src[0][i]``, column
+        ``src[1][i]``) goes to physical row ``rows[i]``, slot ``slots[i]``."""
         k, v = self.pending
         self.pending = None
-        self.keys[rows, :, slots] = k[0].transpose(0, 1).to(self.keys.dtype)  # [S, H, D]
-        self.values[rows, :, slots] = v[0].transpose(0, 1).to(self.values.dtype)
+        r, c = src
+        self.keys[rows, :, slots] = k[r, :, c].to(self.keys.dtype)  # [S, H, D]
+        self.values[rows, :, slots] = v[r, :, c].to(self.values.dtype)
 
     def move_rows(self, dst: list[int], src: list[int], upto: int | None = None) -> None:
         """Copy rows ``src`` onto rows ``dst`` (their first ``upto`` slots; None: all)."""
@@ -178,7 +199,7 @@ class BatchRunner:
 
     def __init__(self, model, taps: tuple[int, ...] | None = None, max_len: int | None = None, slack: int = 64,
                  timing: bool = True, static_shapes: bool = False, buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 compile: bool = False, packed_prefill: bool = True):
+                 compile: bool = False, packed_prefill: bool = True, packed_row_tokens: int = PACKED_ROW_TOKENS):
         why = static_cache_support(model)
         if why:
             raise DraftTrainError(f"decode.batch_size>1: this model cannot be batched ({why})")
@@ -200,7 +221,7 @@ class BatchRunner:
         self._compiled = compile_static(self._padded_forward, self.device) if compile and self.static_shapes \
             else None
         self.shapes: set[tuple[int, int]] = set()  # the (rows, tokens) shapes of the padded forwards run
-        self.packed_prefill = bool(packed_prefill)
+        self.packed_prefill, self.packed_row_tokens = bool(packed_prefill), int(packed_row_tokens)
         self.cache: RowKVCache | None = None
         self.reset(1)
 
@@ -270,38 +291,56 @@ class BatchRunner:
         return out
 
     def _admit_packed(self, ids: Tensor, n_real: Tensor | Sequence[int]) -> tuple[Tensor, Tensor | None]:
-        """:meth:`admit` in one unpadded forward: the newcomers' prompts back to back in one row, each attending
-        to its own tokens only (a block-diagonal causal mask, positions from 0 per prompt), the K/V then
-        scattered into their physical rows. Costs their real tokens only, not N x the longest prompt."""
+        """:meth:`admit` in one unpadded forward: the newcomers' prompts back to back in packed rows of about
+        ``packed_row_tokens`` tokens each (:func:`pack_rows`), each prompt attending to its own tokens only (a
+        block-diagonal causal mask, positions from 0 per prompt), the K/V then scattered into their physical
+        rows. Costs their real tokens (plus the short rows' padding), not N x the longest prompt; several rows
+        keep the dense mask's attention (the square of a row's length) small."""
         N, B0 = int(ids.shape[0]), self.batch_size
         real = torch.as_tensor(n_real, dtype=torch.long, device=self.device).reshape(N)
         if bool((real < 1).any()) or int(real.max()) > self.max_len:
             raise ValueError(f"cannot prefill prompts of {real.tolist()} tokens (max_len {self.max_len})")
+        lens = real.tolist()
+        bins = pack_rows(lens, self.packed_row_tokens)
+        R, S = len(bins), max(sum(lens[d] for d in b) for b in bins)
+        row_of, col_of = [0] * N, [0] * N  # each prompt's packed row and first column
+        for r, b in enumerate(bins):
+            c = 0
+            for d in b:
+                row_of[d], col_of[d], c = r, c, c + lens[d]
+        row_t = torch.tensor(row_of, device=self.device)
+        col_t = torch.tensor(col_of, device=self.device)
+        doc = torch.repeat_interleave(torch.arange(N, device=self.device), real)  # every real token's prompt
+        pos = torch.arange(int(real.sum()), device=self.device) - (torch.cumsum(real, 0) - real)[doc]
+        src = (row_t[doc], col_t[doc] + pos)  # where each real token sits in the packed rows
         keep = torch.arange(ids.shape[1], device=self.device)[None, :] < real[:, None]
-        flat = ids.to(self.device)[keep][None]  # [1, S]
-        doc = torch.repeat_interleave(torch.arange(N, device=self.device), real)  # [S]
-        ends = torch.cumsum(real, 0)
-        pos = torch.arange(flat.shape[1], device=self.device) - (ends - real)[doc]  # [S]: 0.. per prompt
+        flat = ids.new_zeros((R, S)).to(self.device)
+        flat[src] = ids.to(self.device)[keep]
+        pos_p = torch.zeros((R, S), dtype=torch.long, device=self.device)  # padding: position 0, prompt -1
+        doc_p = torch.full((R, S), -1, dtype=torch.long, device=self.device)
+        pos_p[src], doc_p[src] = pos, doc
+        ends = col_t + real - 1  # each prompt's last token's column (in its row)
+        cols, where = torch.unique(ends, sorted=True, return_inverse=True)
         if self.timing:
             _sync(self.device)
         t0 = time.perf_counter()
-        self.cache.packed, self.cache.kv_len = True, int(flat.shape[1])
+        self.cache.packed, self.cache.kv_len = True, S
         try:
-            out = self.model(input_ids=flat, position_ids=pos[None], attention_mask=self._packed_mask(pos, doc),
+            out = self.model(input_ids=flat, position_ids=pos_p, attention_mask=self._packed_mask(pos_p, doc_p),
                              cache=self.cache, use_cache=True, output_hidden_states=self.taps is not None,
-                             logits_to_keep=ends - 1)
-            rows = doc + B0
+                             logits_to_keep=cols)
             for layer in self.cache.layers:
-                layer.scatter_packed(rows, pos)
+                layer.scatter_packed(src, doc + B0, pos)
         finally:
             self.cache.packed = False
         logits = out.logits.float()
-        logits = (logits[0, ends - 1] if logits.shape[1] != N else logits[0])[:, None]  # [N, 1, V]
+        at = where if logits.shape[1] == cols.numel() else ends  # (a model that ignores logits_to_keep)
+        logits = logits[row_t, at][:, None]  # [N, 1, V]
         taps = None
         if self.taps is not None:  # right-padded [N, n, D], as the padded prefill returns them
-            t = gather_taps(out.hidden_states, self.taps)[0]
+            t = gather_taps(out.hidden_states, self.taps)
             taps = t.new_zeros((N, ids.shape[1], t.shape[-1]))
-            taps[keep] = t
+            taps[doc, pos] = t[src]
         if self.timing:
             _sync(self.device)
         self.time_forward += time.perf_counter() - t0
@@ -318,12 +357,13 @@ class BatchRunner:
         return {"full_attention": one(None), "sliding_attention": one(self.window)}
 
     def _packed_mask(self, pos: Tensor, doc: Tensor):
-        """``[1, 1, S, S]`` additive mask of a packed prefill: causal within each prompt (and its window)."""
-        same = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+        """``[R, 1, S, S]`` additive mask of packed rows ``pos, doc [R, S]``: causal within each prompt (and its
+        window); the padding (prompt -1, position 0) sees only padding, so no query row is empty."""
+        same = (doc[:, :, None] == doc[:, None, :]) & (pos[:, None, :] <= pos[:, :, None])
 
         def one(window):
-            allow = same if not window else same & ((pos[:, None] - pos[None, :]) < window)
-            return torch.where(allow, 0.0, self._neg).to(self.dtype)[None, None]
+            allow = same if not window else same & ((pos[:, :, None] - pos[:, None, :]) < window)
+            return torch.where(allow, 0.0, self._neg).to(self.dtype)[:, None]
 
         return self._per_kind(one)
 
@@ -781,13 +821,15 @@ class BatchSpecDecoder:
 
     Args: as :class:`~drafttrain.decoding.engine.SpecDecoder` (the same validation; ``typical`` is refused);
     ``target``'s model, taps and ``max_len`` (per row) are reused by a :class:`BatchRunner`, ``proposer``'s
-    drafter / heads / draft model / n-gram rule by its batched state. ``packed_prefill``: several newcomers'
-    prompts are prefilled in one unpadded forward (:meth:`BatchRunner.admit`; false: right-padded).
+    drafter / heads / draft model / n-gram rule by its batched state. ``packed_prefill``, ``packed_row_tokens``:
+    several newcomers' prompts are prefilled in one unpadded forward, balanced over packed rows of about that
+    many tokens (:meth:`BatchRunner.admit`; false: right-padded).
     """
 
     def __init__(self, target: TargetRunner, proposer, num_draft_tokens: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, typical: bool = False,
-                 draft_temperature: float | None = None, packed_prefill: bool = True):
+                 draft_temperature: float | None = None, packed_prefill: bool = True,
+                 packed_row_tokens: int = PACKED_ROW_TOKENS):
         from .engine import SpecDecoder
 
         if typical and temperature > 0:
@@ -797,10 +839,12 @@ class BatchSpecDecoder:
                                draft_temperature=draft_temperature)
         self.K, self.sampling, self.generator = self.one.K, self.one.sampling, self.one.generator
         self.target = BatchRunner(target.model, target.taps, max_len=target.max_len, slack=self.K + 8,
-                                  timing=target.timing, packed_prefill=packed_prefill, **_static_options(target))
+                                  timing=target.timing, packed_prefill=packed_prefill,
+                                  packed_row_tokens=packed_row_tokens, **_static_options(target))
         self.proposer = _batch_proposer(proposer, target.max_len, self.K)
         if isinstance(self.proposer, _BatchDraftModel):
             self.proposer.runner.packed_prefill = bool(packed_prefill)
+            self.proposer.runner.packed_row_tokens = int(packed_row_tokens)
         self._time_draft = 0.0
 
     def _timed(self, fn, *args):
