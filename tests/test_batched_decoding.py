@@ -345,13 +345,15 @@ class Checked(BatchSpecDecoder):
                 torch.testing.assert_close(p.runner.cache.layers[0].keys[i, :, :n], fresh[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method,row_tokens", [("eagle3", 256), ("draft_model", 256), ("eagle3", 8),
-                                               ("draft_model", 8)])
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+@pytest.mark.parametrize("row_tokens", [256, 8, None])
 def test_rollback_leaves_no_stale_visible_entries(setup, method, row_tokens):
     """After every round each row's visible K/V (target, draft model) and EAGLE-3 entries equal a fresh
-    prefill of its committed tokens; also when the admissions' packed prefill spans several rows."""
+    prefill of its committed tokens: admissions packed in one row (256), in several (8: the 40-token prompt
+    alone), or right-padded (None: ``packed_prefill=False``)."""
     runner, prop = make(setup, method)
-    dec = Checked(runner, prop, METHODS[method], packed_row_tokens=row_tokens)
+    packing = dict(packed_row_tokens=row_tokens) if row_tokens else dict(packed_prefill=False)
+    dec = Checked(runner, prop, METHODS[method], **packing)
     dec.target_model = setup.model
     if method == "eagle3":
         dec.proposer.capacity = 56  # small: the drafter cache is compacted (holes gathered out) on the way

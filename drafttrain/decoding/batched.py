@@ -94,6 +94,48 @@ def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
     return rows
 
 
+@dataclass
+class PackedLayout:
+    """Where N prompts of ``lens`` tokens sit in ``R`` packed rows of ``S`` columns (:func:`pack_rows`): every real
+    token's prompt ``doc`` and position ``pos`` (prompt order), its packed (row, column) ``src``; each prompt's
+    row ``row`` and last column ``end``; ``pos_p`` / ``doc_p [R, S]`` (padding: position 0, prompt -1)."""
+
+    R: int
+    S: int
+    doc: Tensor
+    pos: Tensor
+    src: tuple[Tensor, Tensor]
+    row: Tensor
+    end: Tensor
+    pos_p: Tensor
+    doc_p: Tensor
+
+    @classmethod
+    def of(cls, lens: Sequence[int], row_tokens: int, device) -> "PackedLayout":
+        lens = [int(n) for n in lens]
+        bins = pack_rows(lens, row_tokens)
+        R, S = len(bins), max(sum(lens[d] for d in b) for b in bins)
+        row_of, col_of = [0] * len(lens), [0] * len(lens)  # each prompt's packed row and first column
+        for r, b in enumerate(bins):
+            c = 0
+            for d in b:
+                row_of[d], col_of[d], c = r, c, c + lens[d]
+        real = torch.tensor(lens, dtype=torch.long, device=device)
+        row, col = torch.tensor(row_of, device=device), torch.tensor(col_of, device=device)
+        doc = torch.repeat_interleave(torch.arange(len(lens), device=device), real)
+        pos = torch.arange(int(real.sum()), device=device) - (torch.cumsum(real, 0) - real)[doc]
+        src = (row[doc], col[doc] + pos)
+        pos_p = torch.zeros((R, S), dtype=torch.long, device=device)
+        doc_p = torch.full((R, S), -1, dtype=torch.long, device=device)
+        pos_p[src], doc_p[src] = pos, doc
+        return cls(R, S, doc, pos, src, row, col + real - 1, pos_p, doc_p)
+
+    def causal(self) -> Tensor:
+        """``[R, S, S]`` bool: a token sees the tokens of its own prompt up to itself (padding sees padding)."""
+        d, p = self.doc_p, self.pos_p
+        return (d[:, :, None] == d[:, None, :]) & (p[:, None, :] <= p[:, :, None])
+
+
 def fill_holes(done: Sequence[bool]) -> list[int]:
     """The surviving rows' order after the ``done`` ones leave: a survivor stays in its row, the holes below
     the new batch size are filled by the last survivors (the fewest rows move in the cache buffers)."""
@@ -300,47 +342,31 @@ class BatchRunner:
         real = torch.as_tensor(n_real, dtype=torch.long, device=self.device).reshape(N)
         if bool((real < 1).any()) or int(real.max()) > self.max_len:
             raise ValueError(f"cannot prefill prompts of {real.tolist()} tokens (max_len {self.max_len})")
-        lens = real.tolist()
-        bins = pack_rows(lens, self.packed_row_tokens)
-        R, S = len(bins), max(sum(lens[d] for d in b) for b in bins)
-        row_of, col_of = [0] * N, [0] * N  # each prompt's packed row and first column
-        for r, b in enumerate(bins):
-            c = 0
-            for d in b:
-                row_of[d], col_of[d], c = r, c, c + lens[d]
-        row_t = torch.tensor(row_of, device=self.device)
-        col_t = torch.tensor(col_of, device=self.device)
-        doc = torch.repeat_interleave(torch.arange(N, device=self.device), real)  # every real token's prompt
-        pos = torch.arange(int(real.sum()), device=self.device) - (torch.cumsum(real, 0) - real)[doc]
-        src = (row_t[doc], col_t[doc] + pos)  # where each real token sits in the packed rows
+        lay = PackedLayout.of(real.tolist(), self.packed_row_tokens, self.device)
         keep = torch.arange(ids.shape[1], device=self.device)[None, :] < real[:, None]
-        flat = ids.new_zeros((R, S)).to(self.device)
-        flat[src] = ids.to(self.device)[keep]
-        pos_p = torch.zeros((R, S), dtype=torch.long, device=self.device)  # padding: position 0, prompt -1
-        doc_p = torch.full((R, S), -1, dtype=torch.long, device=self.device)
-        pos_p[src], doc_p[src] = pos, doc
-        ends = col_t + real - 1  # each prompt's last token's column (in its row)
-        cols, where = torch.unique(ends, sorted=True, return_inverse=True)
+        flat = ids.new_zeros((lay.R, lay.S)).to(self.device)
+        flat[lay.src] = ids.to(self.device)[keep]
+        cols, where = torch.unique(lay.end, sorted=True, return_inverse=True)
         if self.timing:
             _sync(self.device)
         t0 = time.perf_counter()
-        self.cache.packed, self.cache.kv_len = True, S
+        self.cache.packed, self.cache.kv_len = True, lay.S
         try:
-            out = self.model(input_ids=flat, position_ids=pos_p, attention_mask=self._packed_mask(pos_p, doc_p),
+            out = self.model(input_ids=flat, position_ids=lay.pos_p, attention_mask=self._packed_mask(lay),
                              cache=self.cache, use_cache=True, output_hidden_states=self.taps is not None,
                              logits_to_keep=cols)
             for layer in self.cache.layers:
-                layer.scatter_packed(src, doc + B0, pos)
+                layer.scatter_packed(lay.src, lay.doc + B0, lay.pos)
         finally:
             self.cache.packed = False
         logits = out.logits.float()
-        at = where if logits.shape[1] == cols.numel() else ends  # (a model that ignores logits_to_keep)
-        logits = logits[row_t, at][:, None]  # [N, 1, V]
+        at = where if logits.shape[1] == cols.numel() else lay.end  # (a model that ignores logits_to_keep)
+        logits = logits[lay.row, at][:, None]  # [N, 1, V]
         taps = None
         if self.taps is not None:  # right-padded [N, n, D], as the padded prefill returns them
             t = gather_taps(out.hidden_states, self.taps)
             taps = t.new_zeros((N, ids.shape[1], t.shape[-1]))
-            taps[doc, pos] = t[src]
+            taps[lay.doc, lay.pos] = t[lay.src]
         if self.timing:
             _sync(self.device)
         self.time_forward += time.perf_counter() - t0
@@ -356,10 +382,10 @@ class BatchRunner:
             return one(self.window)
         return {"full_attention": one(None), "sliding_attention": one(self.window)}
 
-    def _packed_mask(self, pos: Tensor, doc: Tensor):
-        """``[R, 1, S, S]`` additive mask of packed rows ``pos, doc [R, S]``: causal within each prompt (and its
-        window); the padding (prompt -1, position 0) sees only padding, so no query row is empty."""
-        same = (doc[:, :, None] == doc[:, None, :]) & (pos[:, None, :] <= pos[:, :, None])
+    def _packed_mask(self, lay: PackedLayout):
+        """``[R, 1, S, S]`` additive mask of packed rows: causal within each prompt (and its window); the padding
+        (prompt -1, position 0) sees only padding, so no query row is empty."""
+        same, pos = lay.causal(), lay.pos_p
 
         def one(window):
             allow = same if not window else same & ((pos[:, :, None] - pos[:, None, :]) < window)
@@ -616,6 +642,8 @@ class _BatchEagle3(_BatchNone):
         self.drafter, self.device, self.dtype = proposer.drafter, proposer.device, proposer.dtype
         self.capacity = int(capacity)
         self.compactions = 0
+        # several newcomers: their entries built in packed rows (as the target's prefill), not right-padded
+        self.packed_prefill, self.packed_row_tokens = True, PACKED_ROW_TOKENS
 
     def prefill(self, prompts, taps, firsts) -> None:
         """The first rows: a buffer of ``rows`` physical rows (the decoder's; default these), its leading rows
@@ -640,11 +668,37 @@ class _BatchEagle3(_BatchNone):
         self.cache = self.drafter.new_cache(B, self.capacity, device=dev, dtype=self.dtype)
         self.valid = torch.zeros(B, self.capacity, dtype=torch.bool, device=dev)
         self.pos = torch.zeros(B, self.capacity, dtype=torch.long, device=dev)
-        ids, lens = _pad_rows([list(p[1:]) + [int(f)] for p, f in zip(prompts, firsts)], dev)
+        seqs = [list(p[1:]) + [int(f)] for p, f in zip(prompts, firsts)]  # entry j: (h_j, x_{j+1})
+        if self.packed_prefill and B > 1:
+            return self._fresh_packed(seqs, taps)
+        ids, lens = _pad_rows(seqs, dev)
         m = ids.shape[1]
         positions = torch.arange(m, device=dev).expand(B, m)
         self._n = torch.zeros(B, dtype=torch.long, device=dev)
         self._rebuild(ids, taps[:, :m], positions, positions < lens[:, None], lens - 1)
+
+    def _fresh_packed(self, seqs: list[list[int]], taps: Tensor) -> None:
+        """:meth:`_fresh` in one drafter step over packed rows (:class:`PackedLayout`; a block-diagonal causal
+        mask, positions from 0 per prompt), its entries then scattered into the rows' slots ``0 .. n - 1``:
+        costs the prompts' tokens, not N x the longest (and the draft LM head runs on as few positions)."""
+        dev = self.device
+        lay = PackedLayout.of([len(q) for q in seqs], self.packed_row_tokens, dev)
+        ids = torch.zeros((lay.R, lay.S), dtype=torch.long, device=dev)
+        ids[lay.src] = torch.tensor([t for q in seqs for t in q], dtype=torch.long, device=dev)
+        feats = taps.to(dev, self.dtype)[lay.doc, lay.pos]  # [tokens, taps x D]
+        hidden = torch.zeros((lay.R, lay.S, feats.shape[-1]), dtype=feats.dtype, device=dev)
+        hidden[lay.src] = feats
+        hidden = self.drafter.fuse(hidden)
+        packed = self.drafter.new_cache(lay.R, lay.S, device=dev, dtype=self.dtype)
+        logits, out = self.drafter.step(ids, hidden, packed, position_ids=lay.pos_p, attn_mask=lay.causal())
+        for full, part in ((self.cache.k, packed.k), (self.cache.v, packed.v)):
+            for f, x in zip(full, part):
+                f[lay.doc, :, lay.pos] = x[lay.src[0], :, lay.src[1]]
+        self.cache.length = max(len(q) for q in seqs)
+        self.valid[lay.doc, lay.pos] = True
+        self.pos[lay.doc, lay.pos] = lay.pos
+        self._n = torch.tensor([len(q) for q in seqs], dtype=torch.long, device=dev)
+        self._next_logits, self._next_hidden = logits[lay.row, lay.end], out[lay.row, lay.end][:, None]
 
     _STATE = ("valid", "pos", "_n", "_next_logits", "_next_hidden")
 
@@ -845,6 +899,8 @@ class BatchSpecDecoder:
         if isinstance(self.proposer, _BatchDraftModel):
             self.proposer.runner.packed_prefill = bool(packed_prefill)
             self.proposer.runner.packed_row_tokens = int(packed_row_tokens)
+        if isinstance(self.proposer, _BatchEagle3):
+            self.proposer.packed_prefill, self.proposer.packed_row_tokens = bool(packed_prefill), int(packed_row_tokens)
         self._time_draft = 0.0
 
     def _timed(self, fn, *args):
