@@ -49,6 +49,9 @@ def features_from_states(states: torch.Tensor, layer_ids: Sequence[int], plan: d
         last = final_norm(states[:, pos[n_layers]])
     out = {"last_hidden": last}
     if "taps" in plan["features"]:
+        missing = [int(t) for t in plan["taps"] if int(t) != n_layers and int(t) not in pos]
+        if missing:
+            raise DraftTrainError(f"capture.backend=vllm: tap {missing[0]} was not captured (layers {list(layer_ids)})")
         out["taps"] = torch.cat([last if int(t) == n_layers else states[:, pos[int(t)]] for t in plan["taps"]], dim=-1)
     return {name: out[name] for name in plan["features"]}
 
