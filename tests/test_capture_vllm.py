@@ -13,7 +13,7 @@ import torch
 from drafttrain.capture import store as S
 from drafttrain.capture.capture import run_capture
 from drafttrain.capture.store import FeatureStore
-from drafttrain.capture.vllm import (VllmSource, check_next_tokens, engine_layer_ids, features_from_states, read_job)
+from drafttrain.capture.vllm import VllmSource, check_next_tokens, engine_layer_ids, features_from_states
 from drafttrain.io import DraftTrainError
 
 
