@@ -212,8 +212,13 @@ def _write_index(out: Path, plan: dict, stats: dict, say: Callable[[str], None])
 def run_capture(model, examples: list[dict], out_dir: str | Path, *, method: str, taps=None, dtype: str = "bfloat16",
                 batch_size: int = 8, shard_mb: float = 1024.0, target_name: str = "", pad_id: int = 0,
                 rank: int = 0, world: int = 1, barrier: Callable[[], None] | None = None,
-                progress: bool = True, say: Callable[[str], None] | None = None) -> dict:
-    """Capture ``examples`` into ``out_dir`` (resumable, multi-process). Returns stats of this rank."""
+                progress: bool = True, say: Callable[[str], None] | None = None, source=None) -> dict:
+    """Capture ``examples`` into ``out_dir`` (resumable, multi-process). Returns stats of this rank.
+
+    ``source``: where the features come from instead of HF forwards of ``model`` (capture.backend=vllm:
+    capture/vllm.py): an object with ``hidden_size``, ``prepare(plan, shards)`` (called once with the shards this
+    rank still has to write) and ``shard(plan, k, rows, sdtype, stats, bar) -> {example: {feature: [n, width]}}``, ``written(k)`` (shard k is
+    recorded) and ``finish()``."""
     from tqdm.auto import tqdm
 
     out = Path(out_dir)
@@ -221,7 +226,8 @@ def run_capture(model, examples: list[dict], out_dir: str | Path, *, method: str
     say = say or (lambda msg: print(f"[drafttrain] {msg}", flush=True))
     if batch_size <= 0:
         raise DraftTrainError(f"capture.batch_size={batch_size}: must be > 0")
-    plan = make_plan(examples, method, taps, _hidden_size(model), dtype, shard_mb, target_name)
+    hidden = source.hidden_size if source is not None else _hidden_size(model)
+    plan = make_plan(examples, method, taps, hidden, dtype, shard_mb, target_name)
     sdtype = S.store_dtype(dtype)
     _open_store(out, plan, rank, barrier)
 
@@ -240,24 +246,35 @@ def run_capture(model, examples: list[dict], out_dir: str | Path, *, method: str
     t0 = time.time()
     check_head = True
     meta = {"format_version": S.FORMAT_VERSION, "dtype": dtype}
+    for k in mine:  # resumed: make sure the recorded shards are intact before trusting them
+        if done[k] is not None:
+            S.check_shard(out, plan, done[k], checksum=True)
+    if source is not None:
+        source.prepare(plan, [k for k in mine if done[k] is None])
     for k in mine:
         start, end = plan["shards"][k]
-        if done[k] is not None:  # resumed: make sure the recorded shard is intact before trusting it
-            S.check_shard(out, plan, done[k], checksum=True)
+        if done[k] is not None:
             stats["shards_skipped"] += 1
             bar.update(sum(lengths[start:end]))
             continue
-        per_example = _capture_shard(model, examples, lengths, plan, range(start, end), batch_size=batch_size,
-                                     pad_id=pad_id, sdtype=sdtype, stats=stats, bar=bar, check_head=check_head)
+        if source is not None:
+            per_example = source.shard(plan, k, range(start, end), sdtype, stats, bar)
+        else:
+            per_example = _capture_shard(model, examples, lengths, plan, range(start, end), batch_size=batch_size,
+                                         pad_id=pad_id, sdtype=sdtype, stats=stats, bar=bar, check_head=check_head)
         check_head = False
         ids = list(range(start, end))
         tensors = S.pack_shard(ids, [examples[i] for i in ids],
                                {name: [per_example[i][name] for i in ids] for name in plan["features"]}, sdtype)
         rec = S.write_shard(out, k, tensors, meta, rank=rank)
+        if source is not None:
+            source.written(k)
         stats["shards_written"] += 1
         stats["tokens"] += rec["tokens"]
         stats["bytes_written"] += rec["bytes"]
     bar.close()
+    if source is not None:
+        source.finish()
     stats["seconds"] = time.time() - t0
     stats["tokens_per_s"] = stats["tokens"] / stats["seconds"] if stats["tokens"] and stats["seconds"] else None
     barrier()
@@ -278,6 +295,8 @@ def run_capture_job(job) -> dict:
     c = job.capture
     if not c.path:
         raise DraftTrainError("capture.path is required (the directory to write the features to)")
+    if c.backend == "vllm":
+        return _run_vllm_capture_job(job)
     device = resolve_device(job.target.device)
     state = PartialState(cpu=device.type == "cpu")
     if job.target.device == "auto" and device.type == "cuda":
@@ -298,4 +317,38 @@ def run_capture_job(job) -> dict:
                         say=(lambda m: print(f"[drafttrain] {m}", flush=True)) if state.is_main_process else (lambda m: None))
     if state.is_main_process:
         print(f"[drafttrain] capture rank 0 stats: {stats}", flush=True)
+    return stats
+
+
+def _run_vllm_capture_job(job) -> dict:
+    """capture.backend=vllm: one process; vLLM (engine venv) computes the states, this process writes the store.
+    Only the target's embeddings, final norm and lm_head are loaded here (all of it when the built-in data is
+    regenerated by the target)."""
+    import os
+
+    from ..data.select import load_training_data
+    from ..engines.vllm_check import engine_python, engine_venv
+    from ..targets.load import load_target, load_target_parts, num_layers, resolve_taps, target_id
+    from .vllm import VllmSource
+
+    c = job.capture
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise DraftTrainError("capture.backend=vllm runs in one process (vLLM parallelises itself); run it without "
+                              "accelerate launch")
+    if engine_python() is None:  # before loading anything
+        raise DraftTrainError(f"capture.backend=vllm: no engine venv at {engine_venv()} (build it: "
+                              f"scripts/make_engine_venv.sh, or set DRAFTTRAIN_ENGINE_VENV)")
+    say = lambda m: print(f"[drafttrain] {m}", flush=True)  # noqa: E731
+    regen = job.data.source == "builtin" and job.data.regenerate
+    load = load_target if regen else (lambda t, device: load_target_parts(t, device=device, say=say))
+    model, tokenizer, path = load(job.target, device="cpu")
+    tname = target_id(path)
+    examples, _, dstats = load_training_data(job, model, tokenizer, tname, Path(c.path))
+    taps = resolve_taps(num_layers(model), job.eagle3.tap_layers) if job.method == "eagle3" else None
+    say(f"capture: target {tname}, method {job.method}, data {dstats}, backend vllm")
+    source = VllmSource(model, path, examples, Path(c.path), batch_size=c.batch_size, say=say)
+    stats = run_capture(None, examples, c.path, method=job.method, taps=taps, dtype=c.dtype, batch_size=c.batch_size,
+                        shard_mb=c.shard_mb, target_name=tname, say=say, source=source)
+    stats["max_next_token_logit_gap"] = source.max_gap
+    say(f"capture stats: {stats}")
     return stats
