@@ -199,3 +199,57 @@ def test_target_parts_refuse_bad_targets_like_load_target(tmp_path):
     with pytest.raises(DraftTrainError, match="cannot load the model weights"):
         load_target_parts(TargetConfig(name_or_path=noweights), say=notes.append)
     assert notes and "no safetensors checkpoint" in notes[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma"])
+def test_grouped_sdpa_equals_transformers_sdpa_with_masks(arch, tmp_path, tiny_builtin_target):
+    """A grouped-query target loaded on CPU runs ``drafttrain_sdpa`` (no repeated K/V heads under a mask), and
+    every masked forward the toolkit runs gives transformers' ``sdpa`` numbers: a right-padded batch (2D mask), a
+    verify block of ragged rows over the row cache (4D mask), and the single-token decode step."""
+    from drafttrain.decoding.batched import BatchRunner
+    from drafttrain.targets.attention import NAME
+
+    tok = AutoTokenizer.from_pretrained(tiny_builtin_target)
+    cfg = _tiny_configs(len(tok))[arch]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / arch)
+    tok.save_pretrained(tmp_path / arch)
+    model, _, _ = load_target(TargetConfig(name_or_path=str(tmp_path / arch), dtype="float32"))
+    assert model.config._attn_implementation == NAME
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, cfg.vocab_size, (3, 11), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[2, 4:] = 0
+
+    def run():
+        out = [model(input_ids=ids, attention_mask=mask).logits * mask[..., None]]
+        runner = BatchRunner(model, max_len=64)
+        runner.reset(3)
+        runner.forward(ids[:, :6], n_real=[6, 3, 5], pad=False)
+        for block, real in ((ids[:, 6:11], [5, 2, 1]), (ids[:, :1], [1, 1, 1])):  # a verify block, a decode step
+            logits, _ = runner.forward(block, n_real=real)
+            out.append(torch.cat([logits[b, :r] for b, r in enumerate(real)]))
+        return out
+
+    grouped = run()
+    model.set_attn_implementation("sdpa")
+    plain = run()
+    for a, b in zip(grouped, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_sdpa_leaves_other_models_alone(tmp_path, tiny_builtin_target):
+    """No grouping (as many K/V heads as query heads), or eager attention: the model keeps what it was given."""
+    from transformers import LlamaConfig
+
+    tok = AutoTokenizer.from_pretrained(tiny_builtin_target)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "mha")
+    tok.save_pretrained(tmp_path / "mha")
+    model, _, _ = load_target(TargetConfig(name_or_path=str(tmp_path / "mha"), dtype="float32"))
+    assert model.config._attn_implementation == "sdpa"
+    model, _, _ = load_target(TargetConfig(name_or_path=str(tiny_builtin_target), dtype="float32",
+                                           attn_implementation="eager"))
+    assert model.config._attn_implementation == "eager"

@@ -35,6 +35,7 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..targets.attention import NAME as GROUPED_SDPA
 from ..targets.load import gather_taps, text_config
 
 # static_shapes: the padded forward sizes by default (drafttrain.config.DEFAULT_BUCKETS, the configs' default, is
@@ -183,7 +184,7 @@ def static_cache_support(model) -> str | None:
     """None if the static cache can run ``model``; otherwise the reason it cannot."""
     cfg = text_config(model.config)
     impl = getattr(model.config, "_attn_implementation", None) or getattr(cfg, "_attn_implementation", None)
-    if impl not in ("eager", "sdpa"):
+    if impl not in ("eager", "sdpa", GROUPED_SDPA):
         return f"attn_implementation={impl!r} takes no custom 4D mask (need eager or sdpa)"
     kinds, _ = _layer_kinds(cfg)
     if kinds is None:

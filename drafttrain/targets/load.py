@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..io import DraftTrainError
+from .attention import use_grouped_sdpa
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -140,6 +141,7 @@ def load_target(target_cfg, device: torch.device | str | None = None):
     model.to(dev)
     model.eval()
     model.requires_grad_(False)
+    use_grouped_sdpa(model)  # CPU + GQA + masks: no repeated K/V heads (targets/attention.py)
     tokenizer = load_tokenizer(path, target_cfg.trust_remote_code, target_cfg.revision)
     return model, tokenizer, path
 
