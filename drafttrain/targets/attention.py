@@ -3,10 +3,11 @@
 transformers' ``sdpa`` attention passes ``enable_gqa=True`` to :func:`torch.nn.functional.scaled_dot_product_attention`
 only when there is no attention mask (CUDA's fused kernels need that); with a mask it folds the query heads for a
 single query token and otherwise copies every K/V head ``num_key_value_groups`` times (``repeat_kv``). On CPU the
-grouped kernel takes a mask, gives the same numbers, and that copy is the larger part of the attention's time: a
-verify block of 16 rows x 5 tokens over 400 cached positions (4 query / 2 K/V heads) takes 0.6 ms grouped against
-5.6 ms repeated (``bench/batch.md``). Every forward the decoder and the capture run has a mask (padding, packed
-documents, the row cache's 4D mask), so this is what they pay on CPU.
+grouped kernel takes a mask and gives the same numbers without that copy. In the built-in target (4 query / 2
+K/V heads), a verify block of 16 rows x 5 tokens over ~105 cached positions spent 2.3 ms per forward copying K/V;
+the forward went from 22.1 to 21.0 ms and from 30.1 to 26.0 ms in two interleaved profiles (the copy grows with
+the cached length). Every forward the decoder and the capture run has a mask (padding, packed documents, the row
+cache's 4D mask).
 
 :func:`use_grouped_sdpa` switches a model loaded with ``attn_implementation="sdpa"`` to :data:`NAME`, which is
 ``sdpa`` with that one difference on CPU, and exactly transformers' ``sdpa`` elsewhere (CUDA tensors, no grouping,
