@@ -374,7 +374,8 @@ def _exported_eagle3_config(raw: dict, where):
             rope_scaling=_rope_scaling(lc),
             max_position_embeddings=int(lc.get("max_position_embeddings", 2048)),
             num_layers=int(lc.get("num_hidden_layers", 1)), tap_layers=[int(t) for t in taps],
-            target_name_or_path=target, initializer_range=float(lc.get("initializer_range", 0.02)), **norms,
+            target_name_or_path=target, initializer_range=float(lc.get("initializer_range", 0.02)),
+            qk_norm=lc.get("model_type") == "qwen3", **norms,  # a Qwen3 layer config: q/k norms (vLLM's reading)
         )
     except KeyError as e:
         raise DraftTrainError(f"{where}: missing key {e.args[0]!r}") from None

@@ -87,21 +87,28 @@ def test_bf16_storage_size_and_closeness(setup, tmp_path):
     assert losses[1] == pytest.approx(losses[0], rel=1e-2)
 
 
-def test_interrupted_capture_resumes_without_redoing_shards(setup, tmp_path, monkeypatch):
-    out = tmp_path / "r"
+def interrupt_after_shards(monkeypatch, n: int) -> list[int]:
+    """Make the capture stop (KeyboardInterrupt) when it starts writing shard n+1; returns the shards written
+    (``monkeypatch.undo()`` restores the writer)."""
     real_write = S.write_shard
     calls = []
 
-    def crash_after_two(*a, **kw):
-        if len(calls) == 2:
+    def crash(*a, **kw):
+        if len(calls) == n:
             raise KeyboardInterrupt("simulated interruption")
         calls.append(a[1])
         return real_write(*a, **kw)
 
-    monkeypatch.setattr(S, "write_shard", crash_after_two)
+    monkeypatch.setattr(S, "write_shard", crash)
+    return calls
+
+
+def test_interrupted_capture_resumes_without_redoing_shards(setup, tmp_path, monkeypatch):
+    out = tmp_path / "r"
+    calls = interrupt_after_shards(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         _capture(setup, out)
-    monkeypatch.setattr(S, "write_shard", real_write)
+    monkeypatch.undo()
     assert not (out / S.INDEX).exists()  # not usable until complete
     with pytest.raises(DraftTrainError, match="incomplete"):
         FeatureStore(out)

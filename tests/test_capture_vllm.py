@@ -16,6 +16,8 @@ from drafttrain.capture.store import FeatureStore
 from drafttrain.capture.vllm import VllmSource, check_next_tokens, engine_layer_ids, features_from_states
 from drafttrain.io import DraftTrainError
 
+from .test_capture import interrupt_after_shards
+
 
 @pytest.fixture(scope="module")
 def setup(tiny_builtin_target):
@@ -124,19 +126,10 @@ def test_engine_states_become_the_hf_features(setup, taps):
 def test_vllm_source_writes_the_hf_store_and_resumes(setup, tmp_path, monkeypatch):
     _hf(setup, tmp_path / "hf")
     driver = FakeDriver(setup[0])
-    real_write = S.write_shard
-    calls = []
-
-    def crash_after_two(*a, **kw):
-        if len(calls) == 2:
-            raise KeyboardInterrupt("simulated interruption")
-        calls.append(a[1])
-        return real_write(*a, **kw)
-
-    monkeypatch.setattr(S, "write_shard", crash_after_two)
+    calls = interrupt_after_shards(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         _vllm(setup, tmp_path / "v", driver)
-    monkeypatch.setattr(S, "write_shard", real_write)
+    monkeypatch.undo()
     hf = FeatureStore(tmp_path / "hf", verify="full")
     n = len(hf.records)
     assert n >= 4 and sorted(driver.ran, key=int) == [str(k) for k in range(n)]  # one driver call, every shard

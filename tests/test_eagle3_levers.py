@@ -12,7 +12,7 @@ from drafttrain.decoding.engine import SpecDecoder
 from drafttrain.decoding.proposers import Eagle3ChainProposer, NoDraft
 from drafttrain.decoding.target import TargetRunner
 from drafttrain.drafters.eagle3 import Eagle3Drafter
-from drafttrain.io import DraftTrainError
+from drafttrain.io import DraftTrainError, load_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -137,19 +137,24 @@ def test_save_load_and_export(target, tmp_path, lever):
         torch.testing.assert_close(e.state_dict()[k], v)
     out = tmp_path / "vllm"
     out.mkdir()
-    if lever == "qk_norm":
-        with pytest.raises(DraftTrainError, match="qk_norm"):
-            write_eagle3(d, "vllm", out, dtype="float32", verifier="tiny", num_speculative_tokens=3)
-        return
     write_eagle3(d, "vllm", out, dtype="float32", verifier="tiny", num_speculative_tokens=3)
     import json
 
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["fc_norm"] is True and cfg["norm_output"] is True
+    assert cfg["transformer_layer_config"]["model_type"] == ("qwen3" if lever == "qk_norm" else "llama")
+    assert "layers.0.self_attn.q_norm.weight" in load_tensors(out / "model.safetensors") or lever != "qk_norm"
     back = load_exported_eagle3(out, target_model=target)
-    assert back.config.fc_norm and back.config.norm_output
+    assert back.config.qk_norm == (lever == "qk_norm")
+    assert (cfg["fc_norm"], cfg["norm_output"]) == (back.config.fc_norm, back.config.norm_output) == \
+        ((True, True) if lever == "eagle3.1" else (False, False))
     for k, v in d.state_dict().items():
         torch.testing.assert_close(back.state_dict()[k], v)
+    if lever == "qk_norm":  # SGLang's and TensorRT-LLM's EAGLE-3 layers have no q/k norms
+        for fmt in ("sglang", "trtllm"):
+            (tmp_path / fmt).mkdir()
+            with pytest.raises(DraftTrainError, match=f"qk_norm=true cannot go to format={fmt}.*format=vllm"):
+                write_eagle3(d, fmt, tmp_path / fmt, dtype="float32", verifier="tiny", num_speculative_tokens=3)
+        return
     sg = tmp_path / "sglang"
     sg.mkdir()
     write_eagle3(d, "sglang", sg, dtype="float32", verifier="tiny", num_speculative_tokens=3)

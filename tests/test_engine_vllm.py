@@ -42,16 +42,23 @@ RECIPES = {
                "train.max_steps=40", "eagle3.draft_vocab_size=256"],
     "eagle3-2layers": ["recipe=eagle3", "eagle3.ttt_steps=3", "eagle3.fc_norm=false", "eagle3.norm_output=false",
                        "eagle3.num_layers=2", "train.max_steps=40"],
+    # the recipe's own draft layer (EAGLE-3.1: fc_norm + norm_output), and with q/k norms on top (a Qwen3 layer
+    # config, which vLLM serves as Eagle3Qwen3ForCausalLM)
+    "eagle3.1": ["recipe=eagle3", "eagle3.ttt_steps=3", "train.max_steps=40"],
+    "eagle3.1-qk": ["recipe=eagle3", "eagle3.ttt_steps=3", "eagle3.qk_norm=true", "train.max_steps=40"],
     "medusa": ["recipe=medusa", "medusa.num_heads=3"],
     "medusa2": ["recipe=medusa2", "medusa.num_heads=3", "medusa.lora.r=4", "medusa.lora.target_modules=[q_proj,v_proj]"],
     "draft_model": ["recipe=draft_model"],
 }
 # case -> (trained drafter, export dtype, mutation of the export)
 CASES = {"eagle3-fp32": ("eagle3", "float32", None), "eagle3-bf16": ("eagle3", "bfloat16", None),
-         "eagle3-2layers": ("eagle3-2layers", "float32", None), "medusa": ("medusa", "float32", None),
+         "eagle3-2layers": ("eagle3-2layers", "float32", None), "eagle3.1": ("eagle3.1", "float32", None),
+         "eagle3.1-qk": ("eagle3.1-qk", "float32", None), "medusa": ("medusa", "float32", None),
          "medusa2": ("medusa2", "float32", None), "draft_model": ("draft_model", "float32", None),
          "eagle3-as-model": ("eagle3", "float32", "as-model"),
-         "eagle3-no-d2t": ("eagle3", "float32", "no-d2t"), "eagle3-taps+1": ("eagle3", "float32", "taps+1")}
+         "eagle3-no-d2t": ("eagle3", "float32", "no-d2t"), "eagle3-taps+1": ("eagle3", "float32", "taps+1"),
+         "eagle3-residual-flipped": ("eagle3", "float32", "residual-flipped")}
+BROKEN = [c for c, v in CASES.items() if v[2] not in (None, "as-model")]
 GOOD = [c for c, v in CASES.items() if v[2] in (None, "as-model")]
 
 
@@ -66,7 +73,8 @@ def _train(root, name):
 
 
 def _mutate(spec: dict, how: str, work) -> dict:
-    """An EAGLE-3 export broken the way users' exports break: d2t dropped, or every tap one layer off."""
+    """An EAGLE-3 export broken the way users' exports break: d2t dropped, every tap one layer off, or the other
+    residual convention (``norm_before_residual`` flipped: layer 0's residual taken after hidden_norm)."""
     from drafttrain.io import load_tensors, save_tensors
 
     src = spec["speculative_config"]["model"]
@@ -80,7 +88,10 @@ def _mutate(spec: dict, how: str, work) -> dict:
         save_tensors(dst / "model.safetensors", sd, metadata={"format": "pt"})
     else:
         cfg = json.loads((dst / "config.json").read_text())
-        cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
+        if how == "taps+1":
+            cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
+        else:
+            cfg["norm_before_residual"] = not cfg["norm_before_residual"]
         (dst / "config.json").write_text(json.dumps(cfg))
     return {**spec, "speculative_config": {**spec["speculative_config"], "model": str(dst)}}
 
@@ -136,9 +147,10 @@ def test_vllm_serves_the_export_like_drafttrain(engine, case):
         assert math.isclose(s["tau"], s["vllm_tau"]), s
 
 
-@pytest.mark.parametrize("case", ["eagle3-no-d2t", "eagle3-taps+1"])
+@pytest.mark.parametrize("case", BROKEN)
 def test_broken_exports_fail_the_check(engine, case):
-    """The check bites: an export with d2t dropped or the taps shifted by one no longer matches drafttrain."""
+    """The check bites: an export with d2t dropped, the taps shifted by one or the residual convention flipped
+    no longer matches drafttrain."""
     got = engine[case]
     if "error" in got:  # refused to load is a failed check too
         return

@@ -209,13 +209,10 @@ def test_grouped_sdpa_equals_transformers_sdpa_with_masks(arch, tmp_path, tiny_b
     from drafttrain.decoding.batched import BatchRunner
     from drafttrain.targets.attention import NAME
 
-    tok = AutoTokenizer.from_pretrained(tiny_builtin_target)
-    cfg = _tiny_configs(len(tok))[arch]
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / arch)
-    tok.save_pretrained(tmp_path / arch)
-    model, _, _ = load_target(TargetConfig(name_or_path=str(tmp_path / arch), dtype="float32"))
-    assert model.config._attn_implementation == NAME
+    path = _save_tiny(tmp_path, tiny_builtin_target, arch, tie=False)
+    model, _, _ = load_target(TargetConfig(name_or_path=str(path), dtype="float32"))
+    cfg = model.config
+    assert cfg._attn_implementation == NAME
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, cfg.vocab_size, (3, 11), generator=g)
     mask = torch.ones_like(ids)

@@ -327,7 +327,7 @@ def _run_vllm_capture_job(job) -> dict:
     import os
 
     from ..data.select import load_training_data
-    from ..engines.vllm_check import engine_python, engine_venv
+    from ..engines.vllm_check import require_engine_python
     from ..targets.load import load_target, load_target_parts, num_layers, resolve_taps, target_id
     from .vllm import VllmSource
 
@@ -335,9 +335,7 @@ def _run_vllm_capture_job(job) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise DraftTrainError("capture.backend=vllm runs in one process (vLLM parallelises itself); run it without "
                               "accelerate launch")
-    if engine_python() is None:  # before loading anything
-        raise DraftTrainError(f"capture.backend=vllm: no engine venv at {engine_venv()} (build it: "
-                              f"scripts/make_engine_venv.sh, or set DRAFTTRAIN_ENGINE_VENV)")
+    require_engine_python("capture.backend=vllm: ")  # before loading anything
     say = lambda m: print(f"[drafttrain] {m}", flush=True)  # noqa: E731
     regen = job.data.source == "builtin" and job.data.regenerate
     load = load_target if regen else (lambda t, device: load_target_parts(t, device=device, say=say))

@@ -19,10 +19,6 @@ whose logits are not ``lm_head(norm(h))`` is refused.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -107,32 +103,13 @@ def engine_dtype(model) -> str:
 
 
 def run_engine_driver(spec: dict, timeout: float | None = None) -> dict:
-    """``vllm_capture_driver.py`` on ``spec`` in the engine venv; its JSON result (one-line errors)."""
-    from ..engines.vllm_check import engine_python, engine_venv
+    """``vllm_capture_driver.py`` on ``spec`` in the engine venv, in one process; its JSON result (one-line
+    errors)."""
+    from ..engines.vllm_check import run_engine_script
 
-    py = engine_python()
-    if py is None:
-        raise DraftTrainError(f"capture.backend=vllm: no engine venv at {engine_venv()} (build it: "
-                              f"scripts/make_engine_venv.sh, or set DRAFTTRAIN_ENGINE_VENV)")
     driver = Path(__file__).resolve().parent.parent / "engines" / "vllm_capture_driver.py"
-    with tempfile.TemporaryDirectory(prefix="drafttrain-vllm-capture-") as d:
-        sp, out = Path(d) / "spec.json", Path(d) / "out.json"
-        sp.write_text(json.dumps(spec))
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-        env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        try:
-            r = subprocess.run([str(py), str(driver), str(sp), str(out)], capture_output=True, text=True,
-                               timeout=timeout, env=env, cwd=d)
-        except subprocess.TimeoutExpired:
-            raise DraftTrainError(f"capture.backend=vllm: vLLM did not finish within {timeout:.0f} s") from None
-        if r.returncode != 0 or not out.exists():
-            lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-            raise DraftTrainError(f"capture.backend=vllm: vLLM failed on target {spec['target']}: "
-                                  f"{(lines[-1:] or ['(no stderr)'])[0]}\n{r.stderr[-4000:]}")
-        return json.loads(out.read_text())
+    return run_engine_script(driver, spec, timeout, label="capture.backend=vllm: ",
+                             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 
 class VllmSource:

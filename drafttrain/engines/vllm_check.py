@@ -33,27 +33,46 @@ def engine_python() -> Path | None:
     return py if (d / STAMP).is_file() and py.exists() else None
 
 
-def run_driver(spec: dict, timeout: float = 1200) -> dict:
-    """Run ``vllm_driver.py`` on ``spec`` in the engine venv; its JSON result."""
+def require_engine_python(label: str = "") -> Path:
+    """The engine venv's python, or one line saying how to build it (``label`` prefixes the message)."""
     py = engine_python()
     if py is None:
-        raise DraftTrainError(f"no engine venv at {engine_venv()} (build it: scripts/make_engine_venv.sh)")
+        raise DraftTrainError(f"{label}no engine venv at {engine_venv()} (build it: scripts/make_engine_venv.sh, or "
+                              f"set DRAFTTRAIN_ENGINE_VENV)")
+    return py
+
+
+def run_engine_script(driver: Path, spec: dict, timeout: float | None, *, label: str = "", env: dict | None = None,
+                      context: str = "") -> dict:
+    """Run the engine-venv script ``driver`` on ``spec`` (written to a JSON file, the result read back from the
+    one the script writes) in a temporary directory, offline, vLLM's CPU threads unbound; the result's JSON.
+    ``env`` overrides the defaults (one OpenMP thread, 1 GiB KV cache, unless set already). A timeout or a failed
+    run is one line (``label`` first, ``context`` after the target), then the script's stderr tail."""
+    py = require_engine_python(label)
     with tempfile.TemporaryDirectory(prefix="drafttrain-vllm-") as d:
         sp, out = Path(d) / "spec.json", Path(d) / "out.json"
         sp.write_text(json.dumps(spec))
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-        env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        run_env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+        run_env.setdefault("OMP_NUM_THREADS", "1")
+        run_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        run_env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))
         try:
-            r = subprocess.run([str(py), str(DRIVER), str(sp), str(out)], capture_output=True, text=True,
-                               timeout=timeout, env=env, cwd=d)
+            r = subprocess.run([str(py), str(driver), str(sp), str(out)], capture_output=True, text=True,
+                               timeout=timeout, env=run_env, cwd=d)
         except subprocess.TimeoutExpired:
-            raise DraftTrainError(f"vLLM did not finish within {timeout:.0f} s (target {spec['target']})") from None
+            raise DraftTrainError(f"{label}vLLM did not finish within {timeout:.0f} s (target {spec['target']})") \
+                from None
         if r.returncode != 0 or not out.exists():
             tail = [ln for ln in r.stderr.strip().splitlines() if ln.strip()][-1:] or ["(no stderr)"]
-            raise DraftTrainError(f"vLLM failed on target {spec['target']} with speculative_config "
-                                  f"{spec.get('speculative_config')}: {tail[0]}\n{r.stderr[-4000:]}")
+            raise DraftTrainError(f"{label}vLLM failed on target {spec['target']}{context}: {tail[0]}\n"
+                                  f"{r.stderr[-4000:]}")
         return json.loads(out.read_text())
+
+
+def run_driver(spec: dict, timeout: float = 1200) -> dict:
+    """Run ``vllm_driver.py`` on ``spec`` in the engine venv (one OpenMP thread); its JSON result."""
+    return run_engine_script(DRIVER, spec, timeout, env={"OMP_NUM_THREADS": "1"},
+                             context=f" with speculative_config {spec.get('speculative_config')}")
 
 
 def speculative_config(kind: str, export_dir: str, K: int) -> dict:

@@ -6,7 +6,7 @@ A plain script for the engine venv (scripts/make_engine_venv.sh): it imports vLL
 
 SPEC.json: ``{"target": DIR, "speculative_config": {...} | null, "prompts": [[ids]], "max_tokens": N,
 "temperature": 0.0, "seed": 0, "stop_token_ids": [ids], "dtype": "float32", "n": 1, "max_model_len": 512,
-"lora": DIR | null}``. Each prompt is its own ``generate`` call, so the counters (read from ``LLM.get_metrics()``
+"lora": DIR | null}`` (request i gets seed + i; ``"seed": null``: unseeded requests). Each prompt is its own ``generate`` call, so the counters (read from ``LLM.get_metrics()``
 before and after) are per prompt. ``{"runs": [SPEC, ...]}`` serves several engines one after another in one
 process. Output JSON (stdout's last line, or OUT.json): ``{"vllm": version, "load_s": s, "results": [{"samples":
 [[ids] per sample], "finish_reason": [...], "num_drafts", "num_draft_tokens", "num_accepted_tokens",
@@ -55,7 +55,7 @@ def delta(after: dict, before: dict) -> dict:
 def make_llm(spec: dict):
     from vllm import LLM
 
-    kw = dict(model=spec["target"], dtype=spec.get("dtype", "float32"), enforce_eager=True, seed=int(spec.get("seed", 0)),
+    kw = dict(model=spec["target"], dtype=spec.get("dtype", "float32"), enforce_eager=True, seed=int(spec.get("seed") or 0),
               max_model_len=int(spec.get("max_model_len", 512)), disable_log_stats=False, max_num_seqs=4)
     if spec.get("speculative_config"):
         kw["speculative_config"] = spec["speculative_config"]
@@ -74,8 +74,9 @@ def serve(spec: dict) -> dict:
     load_s = time.perf_counter() - t0
     results = []
     for i, ids in enumerate(spec["prompts"]):
+        seed = spec.get("seed", 0)  # null: unseeded requests (vLLM's shared generator)
         sp = SamplingParams(temperature=float(spec.get("temperature", 0.0)), max_tokens=int(spec["max_tokens"]),
-                            n=int(spec.get("n", 1)), seed=int(spec.get("seed", 0)) + i,
+                            n=int(spec.get("n", 1)), seed=None if seed is None else int(seed) + i,
                             stop_token_ids=list(spec.get("stop_token_ids") or []), detokenize=False)
         before = counters(llm)
         out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], sp, use_tqdm=False)[0]

@@ -15,13 +15,16 @@ which is what the drafter was trained with (a frozen copy). ``t2d`` (bool ``[V]`
   explicitly: ``norm_before_residual`` (vLLM defaults it to *true* when absent on this path),
   ``norm_before_fc`` (+ ``input_norm.weight [3·Ht]``), ``fc_norm`` (+ ``fc_norm.{0,1,2}.weight``) and
   ``norm_output``; vLLM's ``llama_eagle3.py`` honours all four (``fc_norm``/``norm_output`` from vLLM 0.22).
-  Serve: ``vllm serve OUT`` (the verifier is read from the config).
+  A drafter with q/k norms (``qk_norm``, a Qwen3-style layer) gets a Qwen3 ``transformer_layer_config``
+  (``model_type: qwen3``), which vLLM serves as ``Eagle3Qwen3ForCausalLM`` (``qwen3_eagle3.py``, the same flags
+  and tensor names plus ``self_attn.{q,k}_norm.weight``). Serve: ``vllm serve OUT`` (the verifier is read from
+  the config).
 - ``sglang`` — the flat layout (B): ``architectures: [LlamaForCausalLMEagle3]``, ``model_type: llama``,
   Llama fields, ``draft_vocab_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids`` = ids − 1
   (SGLang adds 1), plus the raw ids at the top level (the flat layout's vLLM key). SGLang's
   ``LlamaForCausalLMEagle3`` (and TensorRT-LLM, which reads this layout) takes layer 0's residual before
-  ``hidden_norm`` and has no ``input_norm``, skipping unknown weights silently: a drafter with
-  ``norm_before_residual`` or ``norm_before_fc`` is refused for this format instead of served wrong.
+  ``hidden_norm`` and has no ``input_norm`` and no q/k norms, skipping unknown weights silently: a drafter with
+  ``norm_before_residual``, ``norm_before_fc`` or ``qk_norm`` is refused for this format instead of served wrong.
 
 - ``trtllm`` — TensorRT-LLM's PyTorch backend (rules read from NVIDIA/TensorRT-LLM
   ``tensorrt_llm/_torch/models/modeling_speculative.py`` @ ``00679c66`` (Eagle3DraftModel, Eagle3DecoderLayer,
@@ -58,6 +61,7 @@ SPECULATORS_FORMAT = "0.9.0"  # the speculators config layout followed (vllm-pro
 # format -> {flag: why}. vLLM's speculators layout honours every flag the drafter has.
 UNHONOURED = {
     "sglang": {
+        "qk_norm": "SGLang's LlamaForCausalLMEagle3 has no q/k norms (a Qwen3-style draft layer)",
         "norm_before_residual": "SGLang's LlamaForCausalLMEagle3 (and TensorRT-LLM, which reads this layout) "
                                 "takes layer 0's residual before hidden_norm (norm_before_residual=false only)",
         "norm_before_fc": "SGLang's LlamaForCausalLMEagle3 has no input_norm before fc and skips the unknown "
@@ -92,10 +96,13 @@ def _verifier_architectures(target: str) -> list[str]:
 
 
 def _layer_config(c, dtype: str) -> dict:
-    """The Llama config of the draft decoder layers (shared by both layouts)."""
+    """The config of the draft decoder layers (shared by the layouts): Llama's, or Qwen3's for a drafter with
+    q/k norms (``qk_norm``: vLLM then serves it as ``Eagle3Qwen3ForCausalLM``, whose layers read
+    ``self_attn.{q,k}_norm.weight``)."""
+    qwen3 = bool(getattr(c, "qk_norm", False))
     return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": "qwen3" if qwen3 else "llama",
+        "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
         "num_hidden_layers": c.num_layers,
@@ -293,12 +300,8 @@ def write_eagle3(drafter, fmt: str, tmp: Path, *, dtype: str, verifier: str, num
     c = drafter.config
     for flag, why in UNHONOURED.get(fmt, {}).items():
         if getattr(c, flag):
-            hint = "" if flag == "qk_norm" else ("; export format=vllm (the speculators layout, which vLLM reads "
-                                                 "with this flag)")
+            hint = "; export format=vllm (the speculators layout, which vLLM reads with this flag)"
             raise DraftTrainError(f"EAGLE-3 export: {flag}=true cannot go to format={fmt}: {why}{hint}")
-    if c.qk_norm:
-        raise DraftTrainError("EAGLE-3 export: a drafter with qk_norm (Qwen3-style draft layer) has no verified "
-                              "engine layout yet; evaluate it with drafttrain eval")
     if fmt == "vllm":
         config = vllm_config(drafter, verifier, num_speculative_tokens, dtype)
     elif fmt == "sglang":
