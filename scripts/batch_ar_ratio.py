@@ -1,7 +1,8 @@
 """Issue 17's bar, AR only: batched B=16 against the batch-1 decoder (the path decode.batch_size=1 runs), 128
 held-out prompts of the built-in target, up to 64 new tokens, greedy, 2 threads, passes interleaved.
 
-    DRAFTTRAIN_CACHE=/tmp/dtcache REPS=4 OUT=bench/results/batch_ar_ratio_grouped_sdpa.json python scripts/batch_ar_ratio.py
+    DRAFTTRAIN_CACHE=/tmp/dtcache REPS=4 OUT=bench/results/batch_ar_ratio_grouped_sdpa.json \
+        python scripts/batch_ar_ratio.py
 """
 import os, time, statistics, json, torch
 from drafttrain.config import EvalJob
@@ -29,7 +30,9 @@ for rep in range(int(os.environ.get("REPS", "3"))):
     r = bb.generate(prompts, 64, eos, seed=0, batch_size=16)
     res["b16"].append(sum(len(x.tokens) for x in r.results) / r.time_total)
     res["b16_rows_per_round"].append(r.row_rounds / r.rounds)
-    print(rep, "batch-1 decoder %.1f tok/s  B=16 %.1f tok/s  ratio %.2f" % (res["b1"][-1], res["b16"][-1], res["b16"][-1] / res["b1"][-1]), flush=True)
+    a, b = res["b1"][-1], res["b16"][-1]
+    print(rep, "batch-1 decoder %.1f tok/s  B=16 %.1f tok/s  ratio %.2f" % (a, b, b / a), flush=True)
 res["ratio_per_pass"] = [b / a for a, b in zip(res["b1"], res["b16"])]
-print("ratio per pass", [round(x, 2) for x in res["ratio_per_pass"]], "median", round(statistics.median(res["ratio_per_pass"]), 2))
+print("ratio per pass", [round(x, 2) for x in res["ratio_per_pass"]],
+      "median", round(statistics.median(res["ratio_per_pass"]), 2))
 json.dump(res, open(os.environ.get("OUT", "batch_ar_ratio.json"), "w"), indent=1)

@@ -7,9 +7,9 @@ A plain script for the engine venv (scripts/make_engine_venv.sh): it imports vLL
 SPEC.json: ``{"target": DIR, "speculative_config": {...} | null, "prompts": [[ids]], "max_tokens": N,
 "temperature": 0.0, "seed": 0, "stop_token_ids": [ids], "dtype": "float32", "n": 1, "max_model_len": 512,
 "lora": DIR | null, "patch_cpu_expand": true}`` (request i gets seed + i; ``"seed": null``: unseeded requests;
-``patch_cpu_expand``: :func:`patch_cpu_expand`, on unless false). Each prompt is its own ``generate`` call, so the counters (read from ``LLM.get_metrics()``
-before and after) are per prompt. ``{"runs": [SPEC, ...]}`` serves several engines one after another in one
-process. Output JSON (stdout's last line, or OUT.json): ``{"vllm": version, "load_s": s, "results": [{"samples":
+``patch_cpu_expand``: :func:`patch_cpu_expand`, on unless false). Each prompt is its own ``generate`` call, so the
+counters (read from ``LLM.get_metrics()`` before and after) are per prompt. ``{"runs": [SPEC, ...]}`` serves several
+engines one after another in one process. Output JSON (stdout's last line, or OUT.json): ``{"vllm": version, "load_s": s, "results": [{"samples":
 [[ids] per sample], "finish_reason": [...], "num_drafts", "num_draft_tokens", "num_accepted_tokens",
 "accepted_per_pos": [...]}]}`` (with ``runs``: ``{"vllm", "runs": [{"load_s", "results"} | {"error"}]}``).
 """
@@ -109,8 +109,8 @@ def serve(spec: dict) -> dict:
     llm = make_llm(spec)
     load_s = time.perf_counter() - t0
     results = []
+    seed = spec.get("seed", 0)  # null: unseeded requests (vLLM's shared generator)
     for i, ids in enumerate(spec["prompts"]):
-        seed = spec.get("seed", 0)  # null: unseeded requests (vLLM's shared generator)
         sp = SamplingParams(temperature=float(spec.get("temperature", 0.0)), max_tokens=int(spec["max_tokens"]),
                             n=int(spec.get("n", 1)), seed=None if seed is None else int(seed) + i,
                             stop_token_ids=list(spec.get("stop_token_ids") or []), detokenize=False)

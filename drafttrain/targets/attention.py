@@ -14,7 +14,6 @@ cache's 4D mask).
 position biases, soft-capping)."""
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 NAME = "drafttrain_sdpa"
