@@ -277,6 +277,66 @@ def test_checkpoint_head_gives_the_same_loss_and_gradients():
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("over", [{}, {"num_layers": 2, "qk_norm": True}, {"loss": "lk_hybrid"}])
+@pytest.mark.parametrize("packed", [True, False])
+def test_live_positions_give_the_full_unrolls_loss_and_gradients(over, packed):
+    """From TTT step 1 on, ttt_forward runs only the positions some later step scores (prompt tokens, the ends
+    of documents and padding drop out): loss, per-step stats and gradients equal the full unroll's."""
+    from drafttrain.drafters import eagle3 as e3
+
+    t = _target()
+    ex = _examples(seed=8, lengths=[14, 22, 6, 18])
+    m = _method("eagle3", t, **over)
+    torch.manual_seed(0)
+    d = m.build_drafter(t, ex, "tiny").float()
+    b = collate_packed(ex, 0, 40) if packed else collate(ex, 0)
+    cap = m.capture(t, b)
+    counts = m.count_valid(d, b, cap)
+    live_sizes = []
+    real = e3._live_positions
+
+    def spy(live):
+        idx, slot = real(live)
+        live_sizes.append(idx.shape[1])
+        return idx, slot
+
+    out = []
+    for compact in (False, True):
+        orig = d.ttt_forward
+        d.ttt_forward = lambda *a, **k: orig(*a, **{**k, "compact": compact})  # noqa: B023
+        e3._live_positions = spy
+        try:
+            d.zero_grad(set_to_none=True)
+            loss, st = m.loss(d, d, b, cap, counts, 1.0)
+            loss.backward()
+        finally:
+            e3._live_positions = real
+            del d.ttt_forward
+        out.append((float(loss.detach()), {k: float(v) for k, v in st.items()},
+                    {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
+    (l0, s0, g0), (l1, s1, g1) = out
+    T = b["input_ids"].shape[1]
+    assert len(live_sizes) == 1 and live_sizes[0] < T  # the compact pass ran, on fewer positions
+    assert float(counts[1:].sum()) > 0
+    assert l1 == pytest.approx(l0, rel=1e-5)
+    for k in s0:
+        assert s1[k] == pytest.approx(s0[k], rel=1e-5, abs=1e-6), k
+    assert g0.keys() == g1.keys() and g0
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6)
+
+
+def test_live_positions_layout():
+    from drafttrain.drafters.eagle3 import _live_positions
+
+    live = torch.tensor([[0, 1, 0, 1, 1], [0, 0, 0, 0, 0], [1, 0, 0, 0, 1]], dtype=torch.bool)
+    idx, slot = _live_positions(live)
+    assert idx.shape == (3, 3)
+    assert idx[0].tolist() == [1, 3, 4] and slot[0].tolist() == [True, True, True]
+    assert slot[1].tolist() == [False, False, False]
+    assert idx[2, :2].tolist() == [0, 4] and slot[2].tolist() == [True, True, False]
+
+
 def test_on_demand_teacher_equals_the_stored_one():
     """eagle3.recompute_teacher keeps [B, T, H] and the lm_head's draft rows, not [B, T, Vd] logits; the
     logits it computes per step, the loss, the metrics and the gradients are the stored teacher's."""

@@ -296,23 +296,27 @@ def ttt_attention(
 
     Query at index t attends to the step-0 keys allowed by ``mask0`` (``[B, T, T]``, causal + key padding)
     and to the key at index t of every later step (``k_diag[j]`` ``[B, Hkv, T, D]``). One softmax over both.
+
+    The queries may be a subset of the step-0 positions (``q`` ``[B, Hq, Tq, D]``, ``mask0`` ``[B, Tq, S]``
+    with the step-0 keys ``[B, Hkv, S, D]``, ``k_diag[j]`` ``[B, Hkv, Tq, D]`` at the queries' own positions):
+    the live positions of :meth:`Eagle3Drafter.ttt_forward`.
     """
-    B, Hq, T, D = q.shape
-    Hkv = k0.shape[1]
+    B, Hq, Tq, D = q.shape
+    Hkv, S = k0.shape[1], k0.shape[2]
     g = Hq // Hkv
     scale = 1.0 / math.sqrt(D)
-    qg = q.reshape(B, Hkv, g, T, D)
-    s0 = torch.matmul(qg, k0.unsqueeze(2).transpose(-1, -2)).float() * scale  # [B,Hkv,g,T,T]
+    qg = q.reshape(B, Hkv, g, Tq, D)
+    s0 = torch.matmul(qg, k0.unsqueeze(2).transpose(-1, -2)).float() * scale  # [B,Hkv,g,Tq,S]
     s0 = s0.masked_fill(~mask0.to(torch.bool)[:, None, None], _mask_value(s0.dtype))
     if not k_diag:
         p = s0.softmax(-1).to(v0.dtype)
-        return torch.matmul(p, v0.unsqueeze(2)).reshape(B, Hq, T, D)
-    diag = [(qg * kj.unsqueeze(2)).sum(-1, keepdim=True).float() * scale for kj in k_diag]  # [B,Hkv,g,T,1]
+        return torch.matmul(p, v0.unsqueeze(2)).reshape(B, Hq, Tq, D)
+    diag = [(qg * kj.unsqueeze(2)).sum(-1, keepdim=True).float() * scale for kj in k_diag]  # [B,Hkv,g,Tq,1]
     p = torch.cat([s0, *diag], dim=-1).softmax(-1).to(v0.dtype)
-    out = torch.matmul(p[..., :T], v0.unsqueeze(2))
+    out = torch.matmul(p[..., :S], v0.unsqueeze(2))
     for j, vj in enumerate(v_diag):
-        out = out + p[..., T + j : T + j + 1] * vj.unsqueeze(2)
-    return out.reshape(B, Hq, T, D)
+        out = out + p[..., S + j : S + j + 1] * vj.unsqueeze(2)
+    return out.reshape(B, Hq, Tq, D)
 
 
 def _causal_padding_mask(attention_mask: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -340,6 +344,16 @@ def ttt_reference_mask(T: int, step: int, attention_mask: torch.Tensor) -> torch
     B = attention_mask.shape[0]
     blocks += [eye.expand(B, T, T)] * step
     return torch.cat(blocks, dim=-1)
+
+
+def _live_positions(live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T]`` bool -> (``idx`` ``[B, T1]``, ``slot`` ``[B, T1]`` bool): each row's live positions in
+    ascending order, padded to the longest row's count ``T1`` (>= 1) with other positions (``slot`` False)."""
+    counts = live.sum(1)
+    T1 = max(int(counts.max()), 1) if live.numel() else 1
+    idx = torch.argsort((~live).to(torch.uint8), dim=1, stable=True)[:, :T1]
+    slot = torch.arange(T1, device=live.device)[None] < counts[:, None]
+    return idx, slot
 
 
 def _shift_left(input_ids: torch.Tensor, n: int, pad_id: int = 0) -> torch.Tensor:
@@ -669,10 +683,10 @@ class Eagle3Drafter(nn.Module):
 
     # ------------------------------------------------------------------ training (TTT)
     def forward(self, input_ids, taps, attention_mask, ttt_steps: int, position_ids=None, doc_ids=None,
-                step_loss=None, checkpoint_head: bool = False):
+                step_loss=None, checkpoint_head: bool = False, valid=None):
         """Training forward (the TTT unroll), so DDP/DeepSpeed/FSDP wrappers see a normal ``forward``."""
         return self.ttt_forward(input_ids, taps, attention_mask, ttt_steps, position_ids=position_ids,
-                                doc_ids=doc_ids, step_loss=step_loss, checkpoint_head=checkpoint_head)
+                                doc_ids=doc_ids, step_loss=step_loss, checkpoint_head=checkpoint_head, valid=valid)
 
     def ttt_forward(
         self,
@@ -686,15 +700,25 @@ class Eagle3Drafter(nn.Module):
         doc_ids: torch.Tensor | None = None,
         step_loss=None,
         checkpoint_head: bool = False,
+        valid: list[torch.Tensor] | None = None,
+        compact: bool = True,
     ):
         """Unroll ``ttt_steps`` drafting steps (docs/design.md, "EAGLE-3 alignment").
 
-        ``step_loss(i, hidden, head) -> dict of tensors``: return that per step instead of the logits, with
-        ``head`` (norm + lm_head) applied by the callback to the rows it scores (the loss is computed inside
-        the forward, so a DDP wrapper sees every parameter used). With ``checkpoint_head``
-        each step's norm + lm_head + loss run under activation checkpointing: only the ``[B, T, H]`` hidden
-        state is kept for the backward, not the ``[B, T, Vd]`` logits and the loss's softmaxes (recomputed
-        one step at a time): the draft side's memory no longer grows with steps x draft vocabulary.
+        ``step_loss(i, rows, head) -> dict of tensors``: return that per step instead of the logits. ``valid``
+        (one ``[B, T]`` bool per step) says which positions step i scores; ``rows`` ``[N_i, H]`` are step i's
+        output hidden states at those positions (row-major order), and ``head`` (norm + lm_head) is applied
+        by the callback (the loss is computed inside the forward, so a DDP wrapper sees every parameter
+        used). With ``checkpoint_head`` each step's norm + lm_head + loss run under activation checkpointing:
+        only the ``[N_i, H]`` rows are kept for the backward, not the ``[N_i, Vd]`` logits and the loss's
+        softmaxes (recomputed one step at a time).
+
+        Live positions (with ``step_loss`` and ``compact``): step 0 runs on every position (its keys are what
+        later steps attend to), but from step 1 on a position matters only if some step >= 1 scores it: a
+        later step at index t reads the step-0 keys and its own earlier steps at t, nothing else of the other
+        positions. Steps 1.. therefore run on those positions only, gathered per row into ``[B, T1, ...]``
+        (prompt tokens, the ends of documents and padding drop out); loss and gradients are those of the
+        full unroll (tests/test_packing.py).
 
         Packed rows (drafttrain.data.packing) pass ``position_ids`` (restarting per document) and ``doc_ids``:
         step-0 keys are then visible only inside a query's document; the later steps' keys sit at the
@@ -708,6 +732,8 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(f"attention_impl must be 'efficient' or 'reference', got {attention_impl!r}")
         if ttt_steps < 1:
             raise DraftTrainError(f"ttt_steps must be >= 1, got {ttt_steps}")
+        if step_loss is not None and (valid is None or len(valid) < ttt_steps or return_hidden):
+            raise ValueError("step_loss needs one valid mask per step (valid=) and no return_hidden")
         B, T = input_ids.shape
         if taps.shape[:2] != (B, T) or attention_mask.shape != (B, T):
             raise DraftTrainError(
@@ -719,15 +745,24 @@ class Eagle3Drafter(nn.Module):
         dtype = hidden.dtype
         if attention_impl == "reference" and doc_ids is not None:
             raise ValueError("attention_impl='reference' does not take packed rows (doc_ids)")
-        mask0 = _causal_padding_mask(attention_mask, doc_ids)
+        mask_q = mask0 = _causal_padding_mask(attention_mask, doc_ids)
         pos = torch.arange(T, device=device) if position_ids is None else position_ids.to(device)
+        ids_of = lambda n: _shift_left(input_ids, n)  # noqa: E731  (the token ids step n - 1 embeds)
+        masks = None if valid is None else [m.to(device=device, dtype=torch.bool) for m in valid]
         k0: list[torch.Tensor | None] = [None] * len(self.layers)
         v0: list[torch.Tensor | None] = [None] * len(self.layers)
         kd: list[list[torch.Tensor]] = [[] for _ in self.layers]
         vd: list[list[torch.Tensor]] = [[] for _ in self.layers]
         logits_out, hidden_out = [], []
         for i in range(ttt_steps):
-            emb = self.embed_tokens(_shift_left(input_ids, 1 + i)).to(dtype)
+            if i == 1 and step_loss is not None and compact and attention_impl == "efficient":
+                idx, slot = _live_positions(torch.stack(masks[1:ttt_steps]).any(0))
+                hidden = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+                mask_q = mask0.gather(1, idx[..., None].expand(-1, -1, T)) & slot[..., None]
+                pos = pos.expand(B, T).gather(1, idx)
+                ids_of = lambda n, f=ids_of: f(n).gather(1, idx)  # noqa: E731
+                masks = [m.gather(1, idx) & slot for m in masks]
+            emb = self.embed_tokens(ids_of(1 + i)).to(dtype)
             cos, sin = self.rotary(pos + i, dtype)
             h = hidden
             for li, layer in enumerate(self.layers):
@@ -738,29 +773,29 @@ class Eagle3Drafter(nn.Module):
                     kd[li].append(k)
                     vd[li].append(v)
                 if attention_impl == "efficient":
-                    a = ttt_attention(q, k0[li], v0[li], kd[li], vd[li], mask0)
+                    a = ttt_attention(q, k0[li], v0[li], kd[li], vd[li], mask_q)
                 else:
                     kc = torch.cat([k0[li], *kd[li]], dim=2)
                     vc = torch.cat([v0[li], *vd[li]], dim=2)
                     a = masked_attention(q, kc, vc, ttt_reference_mask(T, i, attention_mask))
                 h = layer.finish(a, h)
             hidden = self.output_hidden(h)
-            logits_out.append(self._head(i, h, step_loss, checkpoint_head))
-            hidden_out.append(hidden)
+            if step_loss is None:
+                logits_out.append(self.compute_logits(h))
+                hidden_out.append(hidden)
+            else:
+                logits_out.append(self._head(i, h[masks[i]], step_loss, checkpoint_head))
         return (logits_out, hidden_out) if return_hidden else logits_out
 
-    def _head(self, i: int, h: torch.Tensor, step_loss, checkpoint_head: bool):
-        if step_loss is None:
-            return self.compute_logits(h)
-
+    def _head(self, i: int, rows: torch.Tensor, step_loss, checkpoint_head: bool):
         def fn(x):
             return step_loss(i, x, self.compute_logits)
 
         if checkpoint_head and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
-            return checkpoint(fn, h, use_reentrant=False)
-        return fn(h)
+            return checkpoint(fn, rows, use_reentrant=False)
+        return fn(rows)
 
     # ------------------------------------------------------------------ inference
     def new_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> Eagle3Cache:

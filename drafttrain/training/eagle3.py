@@ -161,16 +161,15 @@ class Eagle3Method(MethodDefaults):
         """
         masks = self.valid_masks(drafter, batch, cap)
 
-        def step_loss(i, hidden, head):  # the head runs on the valid rows only
-            n = max(hidden.shape[1] - 1 - i, 0)
-            logits = head(hidden[:, :n][masks[i][:, :n]])
-            return eagle3_step_stats(logits.float(), cap.teacher, masks[i], drafter.d2t, drafter.t2d, i,
+        def step_loss(i, rows, head):  # rows: step i's hidden states at its valid positions (row-major)
+            return eagle3_step_stats(head(rows).float(), cap.teacher, masks[i], drafter.d2t, drafter.t2d, i,
                                      loss=self.loss_kind)
 
         d = self.depth
         per_step = model(batch["input_ids"], cap.taps.to(next(drafter.parameters()).dtype),
                          batch["attention_mask"], d, position_ids=batch.get("position_ids"),
-                         doc_ids=batch.get("doc_ids"), step_loss=step_loss, checkpoint_head=self.checkpoint_head)
+                         doc_ids=batch.get("doc_ids"), step_loss=step_loss, checkpoint_head=self.checkpoint_head,
+                         valid=masks)
         sums, stats = [], {}
         for i in range(self.ttt_steps):  # steps the curriculum has not reached yet: zeros (same keys every step)
             s = per_step[i] if i < d else None
