@@ -36,7 +36,7 @@ import torch
 from .data.vocab import d2t_target_ids
 
 __all__ = ["eagle3_valid_mask", "eagle3_step_stats", "combine_step_losses", "step_weights", "same_document",
-           "Eagle3Teacher", "teacher_from_logits", "teacher_from_hidden", "EAGLE3_LOSSES"]
+           "Eagle3Teacher", "teacher_from_logits", "teacher_from_hidden", "EAGLE3_LOSSES", "soft_cross_entropy"]
 
 # EAGLE-3 step losses: soft cross-entropy to the renormalised teacher on the draft vocabulary (EAGLE-3's
 # own, = forward KL up to a constant), total variation to the full teacher (1 - the acceptance
@@ -259,20 +259,46 @@ def eagle3_step_stats(
     p_top = teacher.top[:, sl][v]                                      # [N]
     ids = d2t_target_ids(d2t).to(p_logits.device)
 
-    log_q = torch.log_softmax(q_logits, dim=-1)
     p_full_on_draft = torch.exp(p_logits - p_lse[:, None])             # full-vocabulary probabilities
-    if loss == "ce" or loss == "lk_hybrid":
-        p_draft = torch.softmax(p_logits, dim=-1)
-        ce_sum = -(p_draft * log_q).sum()
-    if loss == "tv" or loss == "lk_hybrid":
-        tv_sum = (1.0 - torch.minimum(p_full_on_draft, log_q.exp()).sum(-1)).sum()
+    if loss == "ce":
+        ce_sum, q = soft_cross_entropy(q_logits, torch.softmax(p_logits, dim=-1))
+    else:
+        log_q = torch.log_softmax(q_logits, dim=-1)
+        q = log_q.exp()
+        tv_sum = (1.0 - torch.minimum(p_full_on_draft, q).sum(-1)).sum()
+        if loss == "lk_hybrid":
+            ce_sum = -(torch.softmax(p_logits, dim=-1) * log_q).sum()
     loss_sum = ce_sum if loss == "ce" else tv_sum if loss == "tv" else 0.5 * (ce_sum + tv_sum)
 
     with torch.no_grad():
         acc_sum = (ids[q_logits.argmax(-1)] == p_top).sum().float()
-        accept_sum = torch.minimum(p_full_on_draft, log_q.exp()).sum()
+        accept_sum = torch.minimum(p_full_on_draft, q.detach()).sum()
     count = torch.tensor(float(q_logits.shape[0]), device=loss_sum.device)
     return {"loss_sum": loss_sum, "acc_sum": acc_sum, "accept_sum": accept_sum, "count": count}
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, p: torch.Tensor):
+        log_q = torch.log_softmax(z, dim=-1)
+        loss = -torch.linalg.vecdot(p, log_q).sum()
+        q = log_q.exp_()
+        ctx.save_for_backward(q, p, p.sum(-1, keepdim=True))
+        ctx.mark_non_differentiable(q)
+        return loss, q
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor, _g_q: torch.Tensor):
+        q, p, p_mass = ctx.saved_tensors
+        return (q * (p_mass * g)).addcmul_(p, -g), None
+
+
+def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(-sum_rows sum_x p(x) log softmax(logits)(x), softmax(logits))`` for ``logits`` and constant target
+    weights ``p`` ``[N, V]``; the softmax is returned detached (for acceptance metrics). Its backward is
+    ``(softmax(logits) * sum_x p - p) * g`` in one expression, where autograd's log_softmax, product and sum
+    build and read three ``[N, V]`` gradients for the same numbers (tests/test_losses.py)."""
+    return _SoftCrossEntropy.apply(logits, p.detach())
 
 
 def step_weights(n: int, decay: float = 0.8) -> list[float]:

@@ -185,3 +185,21 @@ def test_gradient_flows_only_to_trainable_params():
             assert p.grad is not None and p.grad.abs().sum() > 0, n
     assert all(p.grad is None for p in target.parameters())  # the teacher is a constant
     assert not stats[0]["acc_sum"].requires_grad and not stats[0]["accept_sum"].requires_grad
+
+
+@pytest.mark.parametrize("mass", [1.0, 0.7])
+def test_soft_cross_entropy_equals_autograd(mass):
+    """The fused soft CE (one-expression backward) gives autograd's loss and gradient, and the softmax."""
+    from drafttrain.losses import soft_cross_entropy
+
+    g = torch.Generator().manual_seed(4)
+    z = (3 * torch.randn(37, 19, generator=g, dtype=torch.float64)).requires_grad_(True)
+    p = torch.softmax(torch.randn(37, 19, generator=g, dtype=torch.float64), -1) * mass
+    ref = -(p * torch.log_softmax(z, -1)).sum()
+    (gz_ref,) = torch.autograd.grad(2.5 * ref, z)
+    loss, q = soft_cross_entropy(z, p)
+    (gz,) = torch.autograd.grad(2.5 * loss, z)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gz, gz_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(q, torch.softmax(z, -1).detach(), rtol=1e-12, atol=1e-12)
+    assert not q.requires_grad
