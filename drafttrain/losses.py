@@ -140,8 +140,9 @@ def teacher_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, d2t: torch.T
                         bias: torch.Tensor | None = None, softcap: float | None = None,
                         chunk: int = 16384, on_demand: bool = False) -> Eagle3Teacher:
     """The compact teacher from the lm_head input ``hidden`` ``[B, T, H]`` and the head's ``weight``
-    ``[V, H]`` (and ``bias``): draft-vocabulary rows selected by ``d2t``; the full log-normaliser and
-    argmax accumulated over vocabulary chunks of ``chunk`` rows (peak extra memory ``[B, T, chunk]``).
+    ``[V, H]`` (and ``bias``): the full log-normaliser and argmax accumulated over vocabulary chunks of
+    ``chunk`` rows (peak extra memory ``[B, T, chunk]``), the draft-vocabulary columns (by ``d2t``) taken
+    from the same chunks' logits (one pass of the head).
     ``softcap`` applies Gemma-style final-logit soft-capping ``c * tanh(x / c)`` first. ``on_demand``: keep
     ``hidden`` and the selected rows instead of the draft-vocabulary logits (:class:`Eagle3Teacher`)."""
     V = weight.shape[0]
@@ -150,10 +151,15 @@ def teacher_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, d2t: torch.T
     def logits_of(rows: torch.Tensor | slice) -> torch.Tensor:
         return _head_logits(h, weight[rows], None if bias is None else bias[rows], softcap)
 
-    ids = d2t_target_ids(d2t).to(weight.device)
+    ids = d2t_target_ids(d2t).to(weight.device)  # ascending
     lse = top = best = None
+    draft = []  # the draft columns of each chunk's logits (ids ascending: draft-id order)
     for start in range(0, V, int(chunk)):
-        x = logits_of(slice(start, min(V, start + int(chunk))))
+        end = min(V, start + int(chunk))
+        x = logits_of(slice(start, end))
+        if not on_demand:
+            lo, hi = torch.searchsorted(ids, torch.tensor([start, end], device=ids.device)).tolist()
+            draft.append(x[..., ids[lo:hi] - start])
         m, arg = x.max(-1)
         c_lse = torch.logsumexp(x, dim=-1)
         if lse is None:
@@ -166,7 +172,7 @@ def teacher_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, d2t: torch.T
     if on_demand:
         return Eagle3Teacher(logits=None, lse=lse, top=top, hidden=h, rows=weight[ids],
                              bias=None if bias is None else bias[ids], softcap=softcap)
-    return Eagle3Teacher(logits=logits_of(ids), lse=lse, top=top)
+    return Eagle3Teacher(logits=torch.cat(draft, dim=-1), lse=lse, top=top)
 
 
 def _as_teacher(target, d2t: torch.Tensor | None) -> Eagle3Teacher:

@@ -62,6 +62,13 @@ METHODS = {
                               "eagle3.init_layer=-1", "eagle3.qk_norm=true"],
                    "EAGLE-3.1, lr 3e-3, layer from the target's last, q/k norm"),
     "eagle3_2l": ("eagle3", ["eagle3.num_layers=2"], "EAGLE-3, 2 draft layers"),
+    # taps (HF hidden_states indices = the input of that decoder layer, vLLM's aux layer ids) on the 8-layer
+    # built-in targets: the default (2, L//2, L-3) = (2, 4, 5) leaves 3 of 8 layers above the top tap
+    "eagle3_taps247": ("eagle3", ["eagle3.tap_layers=[2,4,7]"], "EAGLE-3, taps (2, 4, 7): top tap below the last layer"),
+    "eagle3_taps147": ("eagle3", ["eagle3.tap_layers=[1,4,7]"], "EAGLE-3, taps (1, 4, 7)"),
+    "eagle3_taps246": ("eagle3", ["eagle3.tap_layers=[2,4,6]"], "EAGLE-3, taps (2, 4, 6)"),
+    "eagle3_lr6e3": ("eagle3", ["train.lr=6e-3"], "EAGLE-3, learning rate 6e-3 (recipe: 3e-3)"),
+    "eagle3_decay09": ("eagle3", ["eagle3.step_decay=0.9"], "EAGLE-3, TTT step weights 0.9^i (recipe: 0.8^i)"),
 }
 DEFAULT = ["eagle3", "medusa1", "medusa2", "kd", "ce", "pld"]
 
