@@ -49,6 +49,7 @@ __all__ = [
     "ttt_attention",
     "masked_attention",
     "sdpa_attention",
+    "attention_bias",
 ]
 
 DRAFTER_TYPE = EAGLE3_TYPE  # the saved layout (file names, drafter_type): drafttrain/artifacts.py
@@ -284,6 +285,15 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], enable_gqa=q.shape[1] != k.shape[1])
 
 
+def attention_bias(mask: torch.Tensor) -> torch.Tensor:
+    """Boolean mask ``[B, Tq, S]`` (True = attend) -> additive float32 bias ``[B, 1, 1, Tq, S]`` (0, or the
+    lowest float32 where masked) for :func:`ttt_attention`'s grouped scores. Built once per forward: adding it
+    costs one pass and nothing in the backward, where ``masked_fill`` with a broadcast mask is a slow kernel
+    both ways."""
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    return bias.masked_fill_(~mask.to(torch.bool), _mask_value(torch.float32))[:, None, None]
+
+
 def ttt_attention(
     q: torch.Tensor,
     k0: torch.Tensor,
@@ -296,6 +306,7 @@ def ttt_attention(
 
     Query at index t attends to the step-0 keys allowed by ``mask0`` (``[B, T, T]``, causal + key padding)
     and to the key at index t of every later step (``k_diag[j]`` ``[B, Hkv, T, D]``). One softmax over both.
+    ``mask0`` may also be the additive bias of :func:`attention_bias` (what the training forward passes).
 
     The queries may be a subset of the step-0 positions (``q`` ``[B, Hq, Tq, D]``, ``mask0`` ``[B, Tq, S]``
     with the step-0 keys ``[B, Hkv, S, D]``, ``k_diag[j]`` ``[B, Hkv, Tq, D]`` at the queries' own positions):
@@ -304,14 +315,13 @@ def ttt_attention(
     B, Hq, Tq, D = q.shape
     Hkv, S = k0.shape[1], k0.shape[2]
     g = Hq // Hkv
-    scale = 1.0 / math.sqrt(D)
-    qg = q.reshape(B, Hkv, g, Tq, D)
-    s0 = torch.matmul(qg, k0.unsqueeze(2).transpose(-1, -2)).float() * scale  # [B,Hkv,g,Tq,S]
-    s0 = s0.masked_fill(~mask0.to(torch.bool)[:, None, None], _mask_value(s0.dtype))
+    qg = (q * (1.0 / math.sqrt(D))).reshape(B, Hkv, g, Tq, D)  # the scale on q: [Tq, D], not [Tq, S]
+    bias = mask0 if mask0.is_floating_point() else attention_bias(mask0)
+    s0 = torch.matmul(qg, k0.unsqueeze(2).transpose(-1, -2)).float() + bias  # [B,Hkv,g,Tq,S]
     if not k_diag:
         p = s0.softmax(-1).to(v0.dtype)
         return torch.matmul(p, v0.unsqueeze(2)).reshape(B, Hq, Tq, D)
-    diag = [(qg * kj.unsqueeze(2)).sum(-1, keepdim=True).float() * scale for kj in k_diag]  # [B,Hkv,g,Tq,1]
+    diag = [(qg * kj.unsqueeze(2)).sum(-1, keepdim=True).float() for kj in k_diag]  # [B,Hkv,g,Tq,1]
     p = torch.cat([s0, *diag], dim=-1).softmax(-1).to(v0.dtype)
     out = torch.matmul(p[..., :S], v0.unsqueeze(2))
     for j, vj in enumerate(v_diag):
@@ -754,6 +764,7 @@ class Eagle3Drafter(nn.Module):
         kd: list[list[torch.Tensor]] = [[] for _ in self.layers]
         vd: list[list[torch.Tensor]] = [[] for _ in self.layers]
         logits_out, hidden_out = [], []
+        bias = None  # attention_bias(mask_q), built on first use (and again for the live positions)
         for i in range(ttt_steps):
             if i == 1 and step_loss is not None and compact and attention_impl == "efficient":
                 idx, slot = _live_positions(torch.stack(masks[1:ttt_steps]).any(0))
@@ -762,6 +773,7 @@ class Eagle3Drafter(nn.Module):
                 pos = pos.expand(B, T).gather(1, idx)
                 ids_of = lambda n, f=ids_of: f(n).gather(1, idx)  # noqa: E731
                 masks = [m.gather(1, idx) & slot for m in masks]
+                bias = None
             emb = self.embed_tokens(ids_of(1 + i)).to(dtype)
             cos, sin = self.rotary(pos + i, dtype)
             h = hidden
@@ -773,7 +785,9 @@ class Eagle3Drafter(nn.Module):
                     kd[li].append(k)
                     vd[li].append(v)
                 if attention_impl == "efficient":
-                    a = ttt_attention(q, k0[li], v0[li], kd[li], vd[li], mask_q)
+                    if bias is None:
+                        bias = attention_bias(mask_q)
+                    a = ttt_attention(q, k0[li], v0[li], kd[li], vd[li], bias)
                 else:
                     kc = torch.cat([k0[li], *kd[li]], dim=2)
                     vc = torch.cat([v0[li], *vd[li]], dim=2)
