@@ -159,6 +159,9 @@ class DataConfig:
     regenerate: bool = True  # builtin: rewrite assistant turns with the target (self-distillation)
     regen_max_new_tokens: int = num(160, ge=1)
     regen_temperature: float = num(0.0, ge=0)
+    # builtin, with regen_temperature > 0: the share of training chats whose answers are sampled at that
+    # temperature; the others are answered greedily (a drafter then sees the target's greedy and sampled paths)
+    regen_sampled_fraction: float = num(1.0, ge=0, le=1)
     regen_batch_size: int = num(32, ge=1)
     seed: int = num(0, ge=0)
     # structured (built-in set): maxLength of string arguments in each row's schema; bounds every output's

@@ -185,6 +185,30 @@ def test_builtin_dataset_regenerates_and_caches(target, tmp_path):
     assert [c.messages for c in raw] == [c.messages for c in originals]
 
 
+def test_builtin_dataset_mixes_sampled_and_greedy_answers(target, tmp_path):
+    """data.regen_sampled_fraction: the first round(f * n) chats answered by sampling, the rest greedily (each
+    part its own cache), rows in the shuffle's order; the greedy rows equal an all-greedy regeneration's."""
+    model, tok = target
+    kw = dict(target_id="tiny-builtin", num_train=5, num_eval=0, max_new_tokens=MAX_NEW, batch_size=4,
+              cache_dir=tmp_path, seed=0, progress=False)
+    greedy, _ = builtin_dataset(model, tok, **kw)
+    sampled, _ = builtin_dataset(model, tok, **kw, temperature=1.5)
+    mixed, _ = builtin_dataset(model, tok, **kw, temperature=1.5, sampled_fraction=0.4)
+    assert [c.id for c in mixed] == [c.id for c in greedy] == [c.id for c in builtin_conversations("draft", 5, seed=0)]
+    for c in mixed[2:]:  # greedy answers do not depend on the batch they were generated in
+        assert c.messages[1]["content"] == _direct_greedy(model, tok, c.messages[:1])
+    assert [c.messages for c in mixed[:2]] != [c.messages for c in greedy[:2]]  # sampled at T = 1.5
+    assert [c.messages for c in sampled] != [c.messages for c in greedy]
+    assert len(list(tmp_path.glob("builtin-regen-*.jsonl"))) == 4  # greedy, sampled, and the mix's two parts
+    again, _ = builtin_dataset(None, tok, **kw, temperature=1.5, sampled_fraction=0.4)  # from the caches
+    assert [c.messages for c in again] == [c.messages for c in mixed]
+    # fraction 1 is all sampled (the cache of temperature alone); with temperature 0 the fraction is moot
+    assert [c.messages for c in builtin_dataset(None, tok, **kw, temperature=1.5, sampled_fraction=1.0)[0]] == \
+        [c.messages for c in sampled]
+    assert [c.messages for c in builtin_dataset(None, tok, **kw, sampled_fraction=0.4)[0]] == \
+        [c.messages for c in greedy]
+
+
 # ------------------------------------------------------------------ truncation (turns stopped at max_new_tokens)
 class _ScriptedTarget:
     """A stand-in target whose answer length is set by the prompt: the last ``<n=K>`` in it asks for K tokens

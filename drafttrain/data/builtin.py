@@ -77,9 +77,12 @@ def builtin_conversations(split: str, limit: int | None = None, seed: int = 0, c
 
 def regenerated_cache_path(
     cache_dir: str | Path, target_id: str, num_train: int | None, max_new_tokens: int, temperature: float, seed: int,
-    corpus: str = "code",
+    corpus: str = "code", rows: tuple[int, int] | None = None,
 ) -> Path:
+    """The cache of the regenerated training chats; ``rows`` ``(lo, hi)``: of those chats' slice only (a mix)."""
     fields = {"corpus": corpus} if corpus != "code" else {}  # code caches predate the field and keep their names
+    if rows is not None:
+        fields["rows"] = [int(rows[0]), int(rows[1])]
     key = json.dumps(
         {
             **fields,
@@ -110,13 +113,16 @@ def builtin_dataset(
     seed: int = 0,
     progress: bool = True,
     corpus: str = "code",
+    sampled_fraction: float = 1.0,
 ) -> tuple[list[Conversation], list[Conversation]]:
     """(train conversations, eval conversations) for ``data=builtin``.
 
     ``target_id`` names the target (e.g. its path or hub id + revision) for the cache key. With
     ``regenerate=False`` the train conversations keep the stdlib's own function bodies (no target needed).
     ``model`` is only used when the cache is missing or incomplete. Several processes may call this at once:
-    one regenerates, the others wait for it and then read the cache.
+    one regenerates, the others wait for it and then read the cache. With ``temperature > 0`` the first
+    ``round(sampled_fraction * n)`` chats (of the seeded shuffle) are answered by sampling at ``temperature``
+    and the others greedily, each part cached on its own; the rows keep the shuffle's order.
     """
     train = builtin_conversations("draft", num_train, seed, corpus)
     evals = builtin_conversations("eval", num_eval, seed, corpus)
@@ -126,21 +132,22 @@ def builtin_dataset(
         from ..targets.builtin import cache_root
 
         cache_dir = cache_root() / "data"
-    path = regenerated_cache_path(cache_dir, target_id, num_train, max_new_tokens, temperature, seed, corpus)
-    stats = regenerate_to_jsonl(
-        model,
-        tokenizer,
-        train,
-        path,
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed,
-        progress=progress,
-        wait_for_lock=True,
-    )
-    if stats["rows"] and progress:
-        print(f"[drafttrain] built-in data: {describe_stats(stats, 'data.regen_max_new_tokens', None)} -> {path}",
-              flush=True)
-    regenerated = read_conversations(path)  # rows the target could not answer ("dropped") are left out
-    return list(regenerated), evals
+    k = len(train) if temperature <= 0 else round(float(sampled_fraction) * len(train))
+    if temperature <= 0 or k == len(train):
+        parts = [(train, temperature, None)]
+    else:
+        parts = [(train[:k], temperature, (0, k)), (train[k:], 0.0, (k, len(train)))]
+    out: list[Conversation] = []
+    for rows, temp, span in parts:
+        if not rows:
+            continue
+        path = regenerated_cache_path(cache_dir, target_id, num_train, max_new_tokens, temp, seed, corpus, span)
+        stats = regenerate_to_jsonl(model, tokenizer, rows, path, batch_size=batch_size,
+                                    max_new_tokens=max_new_tokens, temperature=temp, seed=seed, progress=progress,
+                                    wait_for_lock=True)
+        if stats["rows"] and progress:
+            what = "built-in data" if span is None else f"built-in data, rows {span[0]}-{span[1]} at T={temp:g}"
+            print(f"[drafttrain] {what}: {describe_stats(stats, 'data.regen_max_new_tokens', None)} -> {path}",
+                  flush=True)
+        out.extend(read_conversations(path))  # rows the target could not answer ("dropped") are left out
+    return out, evals
