@@ -294,6 +294,33 @@ def attention_bias(mask: torch.Tensor) -> torch.Tensor:
     return bias.masked_fill_(~mask.to(torch.bool), _mask_value(torch.float32))[:, None, None]
 
 
+class _TTTKeys:
+    """Keys/values of a TTT unroll, per draft layer: step 0's (every query's causal context) and each later
+    step's (seen only by the query at the same index)."""
+
+    def __init__(self, num_layers: int):
+        self.k0: list[torch.Tensor | None] = [None] * num_layers
+        self.v0: list[torch.Tensor | None] = [None] * num_layers
+        self.kd: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.vd: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def add(self, layer: int, step: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if step == 0:
+            self.k0[layer], self.v0[layer] = k, v
+        else:
+            self.kd[layer].append(k)
+            self.vd[layer].append(v)
+
+    def split(self, layer: int):
+        """``(k0, v0, k_diag, v_diag)``, the arguments of :func:`ttt_attention`."""
+        return self.k0[layer], self.v0[layer], self.kd[layer], self.vd[layer]
+
+    def joined(self, layer: int):
+        """All keys and values concatenated along the sequence (the reference path's layout)."""
+        return (torch.cat([self.k0[layer], *self.kd[layer]], dim=2),
+                torch.cat([self.v0[layer], *self.vd[layer]], dim=2))
+
+
 def ttt_attention(
     q: torch.Tensor,
     k0: torch.Tensor,
@@ -738,31 +765,17 @@ class Eagle3Drafter(nn.Module):
         per-step output hidden states ``[B, T, H]``). ``attention_impl="reference"`` uses the explicit
         mask of :func:`ttt_reference_mask` (slow; for tests).
         """
-        if attention_impl not in ("efficient", "reference"):
-            raise ValueError(f"attention_impl must be 'efficient' or 'reference', got {attention_impl!r}")
-        if ttt_steps < 1:
-            raise DraftTrainError(f"ttt_steps must be >= 1, got {ttt_steps}")
-        if step_loss is not None and (valid is None or len(valid) < ttt_steps or return_hidden):
-            raise ValueError("step_loss needs one valid mask per step (valid=) and no return_hidden")
+        self._check_ttt_args(input_ids, taps, attention_mask, ttt_steps, attention_impl, return_hidden,
+                             doc_ids, step_loss, valid)
         B, T = input_ids.shape
-        if taps.shape[:2] != (B, T) or attention_mask.shape != (B, T):
-            raise DraftTrainError(
-                f"shape mismatch: input_ids {tuple(input_ids.shape)}, taps {tuple(taps.shape)}, "
-                f"attention_mask {tuple(attention_mask.shape)}"
-            )
         device = input_ids.device
         hidden = self.fuse(taps)
         dtype = hidden.dtype
-        if attention_impl == "reference" and doc_ids is not None:
-            raise ValueError("attention_impl='reference' does not take packed rows (doc_ids)")
         mask_q = mask0 = _causal_padding_mask(attention_mask, doc_ids)
         pos = torch.arange(T, device=device) if position_ids is None else position_ids.to(device)
         ids_of = lambda n: _shift_left(input_ids, n)  # noqa: E731  (the token ids step n - 1 embeds)
         masks = None if valid is None else [m.to(device=device, dtype=torch.bool) for m in valid]
-        k0: list[torch.Tensor | None] = [None] * len(self.layers)
-        v0: list[torch.Tensor | None] = [None] * len(self.layers)
-        kd: list[list[torch.Tensor]] = [[] for _ in self.layers]
-        vd: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        kv = _TTTKeys(len(self.layers))
         logits_out, hidden_out = [], []
         bias = None  # attention_bias(mask_q), built on first use (and again for the live positions)
         for i in range(ttt_steps):
@@ -774,25 +787,15 @@ class Eagle3Drafter(nn.Module):
                 ids_of = lambda n, f=ids_of: f(n).gather(1, idx)  # noqa: E731
                 masks = [m.gather(1, idx) & slot for m in masks]
                 bias = None
+            if attention_impl == "efficient" and bias is None:
+                bias = attention_bias(mask_q)
             emb = self.embed_tokens(ids_of(1 + i)).to(dtype)
-            cos, sin = self.rotary(pos + i, dtype)
-            h = hidden
-            for li, layer in enumerate(self.layers):
-                q, k, v = layer.self_attn.qkv(layer.attn_input(emb, h), cos, sin)
-                if i == 0:
-                    k0[li], v0[li] = k, v
-                else:
-                    kd[li].append(k)
-                    vd[li].append(v)
-                if attention_impl == "efficient":
-                    if bias is None:
-                        bias = attention_bias(mask_q)
-                    a = ttt_attention(q, k0[li], v0[li], kd[li], vd[li], bias)
-                else:
-                    kc = torch.cat([k0[li], *kd[li]], dim=2)
-                    vc = torch.cat([v0[li], *vd[li]], dim=2)
-                    a = masked_attention(q, kc, vc, ttt_reference_mask(T, i, attention_mask))
-                h = layer.finish(a, h)
+            if attention_impl == "efficient":
+                attend = lambda q, li, b=bias: ttt_attention(q, *kv.split(li), b)  # noqa: E731
+            else:
+                attend = lambda q, li, m=ttt_reference_mask(T, i, attention_mask): masked_attention(  # noqa: E731
+                    q, *kv.joined(li), m)
+            h = self._ttt_layers(i, emb, hidden, self.rotary(pos + i, dtype), kv, attend)
             hidden = self.output_hidden(h)
             if step_loss is None:
                 logits_out.append(self.compute_logits(h))
@@ -800,6 +803,34 @@ class Eagle3Drafter(nn.Module):
             else:
                 logits_out.append(self._head(i, h[masks[i]], step_loss, checkpoint_head))
         return (logits_out, hidden_out) if return_hidden else logits_out
+
+    def _check_ttt_args(self, input_ids, taps, attention_mask, ttt_steps, attention_impl, return_hidden,
+                        doc_ids, step_loss, valid) -> None:
+        if attention_impl not in ("efficient", "reference"):
+            raise ValueError(f"attention_impl must be 'efficient' or 'reference', got {attention_impl!r}")
+        if attention_impl == "reference" and doc_ids is not None:
+            raise ValueError("attention_impl='reference' does not take packed rows (doc_ids)")
+        if ttt_steps < 1:
+            raise DraftTrainError(f"ttt_steps must be >= 1, got {ttt_steps}")
+        if step_loss is not None and (valid is None or len(valid) < ttt_steps or return_hidden):
+            raise ValueError("step_loss needs one valid mask per step (valid=) and no return_hidden")
+        B, T = input_ids.shape
+        if taps.shape[:2] != (B, T) or attention_mask.shape != (B, T):
+            raise DraftTrainError(
+                f"shape mismatch: input_ids {tuple(input_ids.shape)}, taps {tuple(taps.shape)}, "
+                f"attention_mask {tuple(attention_mask.shape)}"
+            )
+
+    def _ttt_layers(self, i: int, emb, hidden, rotary, kv: "_TTTKeys", attend):
+        """One TTT step through every draft layer: step 0's keys/values become ``kv``'s shared keys, later
+        steps' are appended per layer; ``attend(q, layer)`` is the step's attention over ``kv``."""
+        cos, sin = rotary
+        h = hidden
+        for li, layer in enumerate(self.layers):
+            q, k, v = layer.self_attn.qkv(layer.attn_input(emb, h), cos, sin)
+            kv.add(li, i, k, v)
+            h = layer.finish(attend(q, li), h)
+        return h
 
     def _head(self, i: int, rows: torch.Tensor, step_loss, checkpoint_head: bool):
         def fn(x):
