@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TARGET = ["target.builtin.steps=60", "target.builtin.max_files=20", "target.builtin.num_heads=6",
+TARGET = ["target.builtin.steps=200", "target.builtin.max_files=20", "target.builtin.num_heads=6",
           "target.builtin.batch_size=8", "target.builtin.seq_len=128", "target.builtin.warmup_steps=5"]
 DATA = ["data.num_train=64", "data.regen_max_new_tokens=96", "data.num_eval=2", "data.max_length=256"]
 CAPTURE = ["capture.dtype=float32", "capture.batch_size=8", "capture.shard_mb=2"]
