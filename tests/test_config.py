@@ -171,6 +171,15 @@ def test_recipes_state_only_what_differs_from_the_schema(recipe):
         assert not same, f"recipe {recipe}: {key}={value!r} restates the schema default"
 
 
+def test_only_the_eagle3_recipe_trains_on_half_sampled_answers():
+    """The built-in data's answers: half sampled at T 0.7 for EAGLE-3 (its sampled tau +31-41%, greedy -3 to +7%),
+    greedy for the others (Medusa-1 loses greedy tau on the mix); bench/training_quality.md section 2."""
+    eagle3 = _compose("train", ["recipe=eagle3"]).data
+    assert (eagle3.regen_temperature, eagle3.regen_sampled_fraction) == (0.7, 0.5)
+    for recipe in ("medusa", "medusa2", "draft_model"):
+        assert _compose("train", [f"recipe={recipe}"]).data.regen_temperature == 0, recipe
+
+
 def test_every_train_default_is_some_recipes():
     """No schema default of the train section is dead: each one is what at least one recipe runs with."""
     import yaml
