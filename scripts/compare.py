@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 # name -> (recipe, extra overrides, description); decode.method comes from the recipe
 METHODS = {
-    "eagle3": ("eagle3", [], "EAGLE-3 recipe (EAGLE-3.1 norms, 1 layer, 3 taps, TTT 7, lr 3e-3, half-sampled answers)"),
+    "eagle3": ("eagle3", [], "EAGLE-3 recipe (EAGLE-3.1 norms, 1 layer, 3 taps, TTT 7, lr 3e-3)"),
     "medusa1": ("medusa", [], "Medusa-1 (4 heads, frozen target)"),
     "medusa2": ("medusa2", [], "Medusa-2 (4 heads + LoRA r32, self-distillation; target modified)"),
     "kd": ("draft_model", ["distill.loss=fkl"], "distilled draft, KD (forward KL), 2 target layers"),
@@ -50,15 +50,17 @@ METHODS = {
     "eagle3_lr3e3": ("eagle3", ["train.lr=3e-3"], "EAGLE-3, learning rate 3e-3 (recipe: 1e-3)"),
     "eagle3_ttt3": ("eagle3", ["eagle3.ttt_steps=3"], "EAGLE-3, TTT 3 steps (recipe: 7)"),
     "eagle3_greedyregen": ("eagle3", ["data.regen_temperature=0"],
-                           "EAGLE-3, every training answer regenerated greedily (the recipe until 2026-12-04)"),
+                           "EAGLE-3, every training answer regenerated greedily (the default until 2026-12-04)"),
     "eagle3_regen07": ("eagle3", ["data.regen_temperature=0.7", "data.regen_sampled_fraction=1"],
-                       "EAGLE-3, every training answer sampled by the target at T=0.7 (recipe: half)"),
+                       "EAGLE-3, every training answer sampled by the target at T=0.7 (default: half)"),
     "eagle3_regenmix": ("eagle3", ["data.regen_temperature=0.7", "data.regen_sampled_fraction=0.5"],
                         "EAGLE-3, half the training answers sampled from the target at T=0.7, half greedy"),
     "eagle3_regenmix25": ("eagle3", ["data.regen_temperature=0.7", "data.regen_sampled_fraction=0.25"],
                           "EAGLE-3, a quarter of the training answers sampled from the target at T=0.7, the rest greedy"),
     "medusa1_regenmix": ("medusa", ["data.regen_temperature=0.7", "data.regen_sampled_fraction=0.5"],
                          "Medusa-1 on the same half-sampled, half-greedy answers"),
+    "medusa1_greedyregen": ("medusa", ["data.regen_temperature=0"],
+                            "Medusa-1, every training answer regenerated greedily (the default until 2026-12-04)"),
     "eagle3_curr": ("eagle3", ["eagle3.ttt_curriculum=50"],
                     "EAGLE-3, TTT curriculum (unrolled depth 1 -> 7 over the first 50 steps)"),
     "eagle3_v31_lr3e3": ("eagle3", ["eagle3.fc_norm=true", "eagle3.norm_output=true", "train.lr=3e-3"],
