@@ -202,6 +202,9 @@ class Eagle3Config:
     norm_before_fc: bool = False
     # initialise the draft layer(s) from this target decoder layer (-1: the last)
     init_layer: Optional[int] = num(None, ge=-1)
+    # EAGLE-1's feature augmentation, in training only: each tap at each position gets uniform noise
+    # U(-a, a) times that tap's RMS there (a relative scale, as the taps are raw residual streams); 0: off
+    feature_noise: float = num(0.0, ge=0, le=1)
 
 
 @dataclass

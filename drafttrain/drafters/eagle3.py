@@ -383,6 +383,20 @@ def ttt_reference_mask(T: int, step: int, attention_mask: torch.Tensor) -> torch
     return torch.cat(blocks, dim=-1)
 
 
+def noisy_taps(taps: torch.Tensor, scale: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """EAGLE-1's feature augmentation for training: ``[B, T, 3*H]`` taps + ``U(-scale, scale)`` noise times each
+    tap's RMS at that position (per tap and position, so the noise is relative to the raw residual stream's
+    scale, which differs per layer; after ``fc_norm`` it is about ``scale`` per coordinate). The drafter then
+    learns from slightly perturbed features, as it reads features of its own uncertain context at decode time."""
+    if scale <= 0:
+        return taps
+    B, T, W = taps.shape
+    x = taps.float().reshape(B, T, 3, W // 3)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    u = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) * 2 - 1
+    return (x + scale * rms * u).reshape(B, T, W).to(taps.dtype)
+
+
 def _live_positions(live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, T]`` bool -> (``idx`` ``[B, T1]``, ``slot`` ``[B, T1]`` bool): each row's live positions in
     ascending order, padded to the longest row's count ``T1`` (>= 1) with other positions (``slot`` False)."""

@@ -13,7 +13,7 @@ import torch
 from ..data.chat import stop_token_ids
 from ..data.packing import lm_inputs
 from ..data.vocab import build_draft_vocab, count_assistant_tokens, default_draft_vocab_size
-from ..drafters.eagle3 import Eagle3Drafter
+from ..drafters.eagle3 import Eagle3Drafter, noisy_taps
 from ..io import DraftTrainError
 from ..losses import (EAGLE3_LOSSES, Eagle3Teacher, combine_step_losses, eagle3_step_stats, eagle3_valid_mask,
                       step_weights, teacher_from_hidden, teacher_from_logits)
@@ -74,6 +74,7 @@ class Eagle3Method(MethodDefaults):
         self.compact = bool(cfg.compact_teacher)
         self.checkpoint_head = bool(cfg.checkpoint_head)
         self.recompute_teacher = bool(cfg.recompute_teacher)
+        self.feature_noise = float(getattr(cfg, "feature_noise", 0.0))
 
     def build_drafter(self, target_model, examples, target_name: str) -> Eagle3Drafter:
         V = target_model.get_output_embeddings().weight.shape[0]
@@ -166,7 +167,10 @@ class Eagle3Method(MethodDefaults):
                                      loss=self.loss_kind)
 
         d = self.depth
-        per_step = model(batch["input_ids"], cap.taps.to(next(drafter.parameters()).dtype),
+        taps = cap.taps.to(next(drafter.parameters()).dtype)
+        if self.feature_noise > 0 and torch.is_grad_enabled():  # training only (not the loop's eval passes)
+            taps = noisy_taps(taps, self.feature_noise)
+        per_step = model(batch["input_ids"], taps,
                          batch["attention_mask"], d, position_ids=batch.get("position_ids"),
                          doc_ids=batch.get("doc_ids"), step_loss=step_loss, checkpoint_head=self.checkpoint_head,
                          valid=masks)

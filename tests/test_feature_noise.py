@@ -1,0 +1,96 @@
+"""EAGLE-1's feature augmentation for EAGLE-3 training (``eagle3.feature_noise``): the noise is uniform, bounded
+by the scale times each tap's RMS at each position, off at 0, applied in training only, and a drafter trained
+with it still decodes exactly (greedy == AR)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafttrain.data.chat import collate
+from drafttrain.decoding.engine import SpecDecoder
+from drafttrain.decoding.proposers import Eagle3ChainProposer, NoDraft
+from drafttrain.decoding.target import TargetRunner
+from drafttrain.drafters.eagle3 import noisy_taps
+from drafttrain.training.eagle3 import Eagle3Method
+
+from .test_packing import V, _examples, _target, _Tok
+from .test_train_methods import _cfg
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_noise_is_bounded_by_each_taps_rms_and_off_at_zero():
+    g = torch.Generator().manual_seed(0)
+    H = 16
+    taps = torch.randn(2, 5, 3 * H, generator=g)
+    taps[..., H:2 * H] *= 100.0  # one tap 100x the others' scale: its noise scales with it
+    assert noisy_taps(taps, 0.0) is taps
+    out = noisy_taps(taps, 0.2, torch.Generator().manual_seed(1))
+    assert out.shape == taps.shape and out.dtype == taps.dtype
+    x, y = taps.reshape(2, 5, 3, H), out.reshape(2, 5, 3, H)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    rel = (y - x) / rms
+    assert rel.abs().max() <= 0.2 + 1e-6  # U(-a, a) x RMS
+    assert rel.abs().max() > 0.15 and rel.abs().mean() > 0.05  # and spread over that range, every tap
+    assert rel.abs().mean(dim=(0, 1, 3)).min() > 0.05
+    assert abs(float(rel.mean())) < 0.03  # zero-mean
+    again = noisy_taps(taps, 0.2, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(again, out)  # reproducible from the generator
+
+
+def _method(noise):
+    return Eagle3Method(_cfg("Eagle3Config", ttt_steps=3, draft_vocab_size=30, feature_noise=noise), _Tok(), _target())
+
+
+def _loss(m, d, t, b):
+    cap = m.capture(t, b)
+    return m.loss(d, d, b, cap, m.count_valid(d, b, cap), 1.0)[0]
+
+
+def _fc_grad(m, d, t, b):
+    d.zero_grad(set_to_none=True)
+    loss = _loss(m, d, t, b)
+    loss.backward()
+    return loss.detach(), d.fc.weight.grad.clone()
+
+
+def test_noise_changes_the_training_step_only_under_grad():
+    t = _target()
+    ex = _examples(4, seed=3)
+    b = collate(ex, 0)
+    plain, noisy = _method(0.0), _method(0.3)
+    torch.manual_seed(0)
+    d = plain.build_drafter(t, ex, "tiny")
+    noisy.d2t = plain.d2t
+    ref, ref_g = _fc_grad(plain, d, t, b)
+    torch.manual_seed(5)
+    a, g = _fc_grad(noisy, d, t, b)
+    torch.manual_seed(5)
+    a2, g2 = _fc_grad(noisy, d, t, b)
+    # fc reads the taps: its gradient moves with the noise (the random drafter's loss barely does)
+    assert (g - ref_g).norm() > 0.05 * ref_g.norm()
+    assert a != ref
+    torch.testing.assert_close(g, g2)  # seeded: reproducible
+    torch.testing.assert_close(a, a2)
+    with torch.no_grad():  # no noise outside training
+        torch.testing.assert_close(_loss(noisy, d, t, b), ref)
+
+
+def test_greedy_equals_ar_after_noisy_training():
+    t = _target()
+    ex = _examples(6, seed=4)
+    b = collate(ex, 0)
+    m = _method(0.3)
+    torch.manual_seed(0)
+    d = m.build_drafter(t, ex, "tiny")
+    opt = torch.optim.AdamW(d.trainable_parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        _loss(m, d, t, b).backward()
+        opt.step()
+    d.eval()
+    runner = TargetRunner(t, taps=m.taps)
+    prompt = torch.randint(3, V, (9,), generator=torch.Generator().manual_seed(7)).tolist()
+    ar = SpecDecoder(runner, NoDraft(), 0).generate(prompt, 20).tokens
+    spec = SpecDecoder(runner, Eagle3ChainProposer(d, max_len=96), 3).generate(prompt, 20)
+    assert spec.tokens == ar
