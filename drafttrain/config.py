@@ -179,6 +179,9 @@ class Eagle3Config:
     # full depth from the first step)
     ttt_curriculum: int = num(0, ge=0)
     step_decay: float = num(0.8, gt=0, le=1)
+    # the soft cross-entropy's teacher is softmax(target logits / teacher_temperature): < 1 sharpens it towards
+    # the argmax that greedy decoding accepts (1: the target's own distribution)
+    teacher_temperature: float = num(1.0, gt=0, le=10)
     # ce (soft cross-entropy, EAGLE-3's) | tv (total variation = 1 - acceptance) | lk_hybrid
     loss: str = one_of("ce", *EAGLE3_LOSSES)
     # teacher over the draft vocabulary only (lm_head rows by d2t) + the full log-normaliser and argmax in

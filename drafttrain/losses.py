@@ -219,6 +219,7 @@ def eagle3_step_stats(
     t2d: torch.Tensor,
     step: int,
     loss: str = "ce",
+    teacher_temperature: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """Sums over the valid positions of one TTT step.
 
@@ -228,6 +229,8 @@ def eagle3_step_stats(
       ``tv``: total variation ``1 - sum_x min(p_full(x), q(x))`` against the full-vocabulary teacher (the
       draft puts no mass outside its vocabulary): 1 - the acceptance probability of a sampled draft token;
       ``lk_hybrid``: ``(ce + tv) / 2`` (CE's dense gradient early, TV's acceptance objective);
+      ``teacher_temperature`` ``t``: the cross-entropy's teacher is ``softmax(logits / t)`` (``t < 1``
+      sharpens it towards the argmax greedy decoding accepts; TV keeps the full-vocabulary teacher);
     - ``acc_sum``: draft argmax (mapped through ``d2t``) == full-vocabulary teacher argmax;
     - ``accept_sum``: ``sum_x min(p_full(x), q(x))``: the T=1 acceptance probability;
     - ``count``: number of valid positions.
@@ -238,6 +241,8 @@ def eagle3_step_stats(
     """
     if loss not in EAGLE3_LOSSES:
         raise ValueError(f"unknown EAGLE-3 loss {loss!r}; expected one of {EAGLE3_LOSSES}")
+    if not teacher_temperature > 0:
+        raise ValueError(f"teacher_temperature must be > 0, got {teacher_temperature}")
     rows = draft_logits.dim() == 2
     B, T = valid.shape if rows else draft_logits.shape[:2]
     i = int(step)
@@ -266,14 +271,15 @@ def eagle3_step_stats(
     ids = d2t_target_ids(d2t).to(p_logits.device)
 
     p_full_on_draft = torch.exp(p_logits - p_lse[:, None])             # full-vocabulary probabilities
+    p_soft = torch.softmax(p_logits if teacher_temperature == 1.0 else p_logits / teacher_temperature, dim=-1)
     if loss == "ce":
-        ce_sum, q = soft_cross_entropy(q_logits, torch.softmax(p_logits, dim=-1))
+        ce_sum, q = soft_cross_entropy(q_logits, p_soft)
     else:
         log_q = torch.log_softmax(q_logits, dim=-1)
         q = log_q.exp()
         tv_sum = (1.0 - torch.minimum(p_full_on_draft, q).sum(-1)).sum()
         if loss == "lk_hybrid":
-            ce_sum = -(torch.softmax(p_logits, dim=-1) * log_q).sum()
+            ce_sum = -(p_soft * log_q).sum()
     loss_sum = ce_sum if loss == "ce" else tv_sum if loss == "tv" else 0.5 * (ce_sum + tv_sum)
 
     with torch.no_grad():

@@ -46,6 +46,27 @@ def test_soft_ce_by_hand():
     assert st["accept_sum"].item() == pytest.approx(sum(min(a, b) for a, b in zip(p_full, q_full)), rel=1e-6)
 
 
+@pytest.mark.parametrize("t", [1.0, 0.5, 2.0])
+def test_teacher_temperature_by_hand(t):
+    # the soft CE's teacher is softmax(logits / t) over the draft vocabulary; acc / accept keep the target's
+    target = torch.tensor([[[9.0, 9.0, 9.0, 9.0], [2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 1.0, 2.0], [5.0] * 4]])
+    draft = torch.tensor([[[0.3, -0.2, 1.0], [1.0, 2.0, 3.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
+    valid = torch.tensor([[True, False, False, False]])
+    st = eagle3_step_stats(draft, target, valid, D2T, T2D, 0, teacher_temperature=t)
+    base = eagle3_step_stats(draft, target, valid, D2T, T2D, 0)
+    p = _softmax([2.0 / t, 0.5 / t, -1.0 / t])
+    logq = [x - math.log(sum(math.exp(y) for y in [0.3, -0.2, 1.0])) for x in [0.3, -0.2, 1.0]]
+    assert st["loss_sum"].item() == pytest.approx(-sum(pi * li for pi, li in zip(p, logq)), rel=1e-6)
+    assert (st["loss_sum"].item() == pytest.approx(base["loss_sum"].item(), rel=1e-7)) == (t == 1.0)
+    for k in ("acc_sum", "accept_sum", "count"):
+        assert st[k].item() == pytest.approx(base[k].item(), rel=1e-7)
+    # a very cold teacher is the hard CE on the argmax (draft id 0)
+    cold = eagle3_step_stats(draft, target, valid, D2T, T2D, 0, teacher_temperature=1e-3)
+    assert cold["loss_sum"].item() == pytest.approx(-logq[0], rel=1e-5)
+    with pytest.raises(ValueError, match="teacher_temperature"):
+        eagle3_step_stats(draft, target, valid, D2T, T2D, 0, teacher_temperature=0.0)
+
+
 def test_accept_sum_is_one_minus_tvd_and_acc():
     g = torch.Generator().manual_seed(0)
     B, T, V, Vd = 2, 6, 12, 5

@@ -75,6 +75,7 @@ class Eagle3Method(MethodDefaults):
         self.checkpoint_head = bool(cfg.checkpoint_head)
         self.recompute_teacher = bool(cfg.recompute_teacher)
         self.feature_noise = float(getattr(cfg, "feature_noise", 0.0))
+        self.teacher_temperature = float(getattr(cfg, "teacher_temperature", 1.0))
 
     def build_drafter(self, target_model, examples, target_name: str) -> Eagle3Drafter:
         V = target_model.get_output_embeddings().weight.shape[0]
@@ -164,7 +165,7 @@ class Eagle3Method(MethodDefaults):
 
         def step_loss(i, rows, head):  # rows: step i's hidden states at its valid positions (row-major)
             return eagle3_step_stats(head(rows).float(), cap.teacher, masks[i], drafter.d2t, drafter.t2d, i,
-                                     loss=self.loss_kind)
+                                     loss=self.loss_kind, teacher_temperature=self.teacher_temperature)
 
         d = self.depth
         taps = cap.taps.to(next(drafter.parameters()).dtype)

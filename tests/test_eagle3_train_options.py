@@ -1,6 +1,11 @@
-"""EAGLE-1's feature augmentation for EAGLE-3 training (``eagle3.feature_noise``): the noise is uniform, bounded
-by the scale times each tap's RMS at each position, off at 0, applied in training only, and a drafter trained
-with it still decodes exactly (greedy == AR)."""
+"""EAGLE-3 training options that change only the training signal.
+
+- ``eagle3.feature_noise`` (EAGLE-1's feature augmentation): uniform noise, bounded by the scale times each
+  tap's RMS at each position, off at 0, applied in training only.
+- ``eagle3.teacher_temperature``: the soft CE's teacher is ``softmax(logits / t)`` (by hand in
+  tests/test_losses.py); here: the method passes it through.
+
+A drafter trained with both still decodes exactly (greedy == AR)."""
 from __future__ import annotations
 
 import pytest
@@ -38,8 +43,9 @@ def test_noise_is_bounded_by_each_taps_rms_and_off_at_zero():
     torch.testing.assert_close(again, out)  # reproducible from the generator
 
 
-def _method(noise):
-    return Eagle3Method(_cfg("Eagle3Config", ttt_steps=3, draft_vocab_size=30, feature_noise=noise), _Tok(), _target())
+def _method(noise, teacher_temperature=1.0):
+    return Eagle3Method(_cfg("Eagle3Config", ttt_steps=3, draft_vocab_size=30, feature_noise=noise,
+                             teacher_temperature=teacher_temperature), _Tok(), _target())
 
 
 def _loss(m, d, t, b):
@@ -76,11 +82,30 @@ def test_noise_changes_the_training_step_only_under_grad():
         torch.testing.assert_close(_loss(noisy, d, t, b), ref)
 
 
-def test_greedy_equals_ar_after_noisy_training():
+def test_teacher_temperature_reaches_the_loss():
+    t = _target()
+    ex = _examples(4, seed=3)
+    b = collate(ex, 0)
+    plain, cold = _method(0.0), _method(0.0, teacher_temperature=0.5)
+    torch.manual_seed(0)
+    d = plain.build_drafter(t, ex, "tiny")
+    cold.d2t = plain.d2t
+    a, ga = _fc_grad(plain, d, t, b)
+    c, gc = _fc_grad(cold, d, t, b)
+    assert (ga - gc).norm() > 0.05 * ga.norm()  # (the random drafter's loss itself is near log Vd either way)
+    assert a != c
+    with torch.no_grad():
+        cap = plain.capture(t, b)
+        _, sa = plain.loss(d, d, b, cap, plain.count_valid(d, b, cap), 1.0)
+        _, sc = cold.loss(d, d, b, cap, cold.count_valid(d, b, cap), 1.0)
+    assert all(torch.equal(sa[k], sc[k]) for k in sa if not k.startswith("loss_sum"))  # acc / accept: the target's
+
+
+def test_greedy_equals_ar_after_training_with_the_options():
     t = _target()
     ex = _examples(6, seed=4)
     b = collate(ex, 0)
-    m = _method(0.3)
+    m = _method(0.3, teacher_temperature=0.5)
     torch.manual_seed(0)
     d = m.build_drafter(t, ex, "tiny")
     opt = torch.optim.AdamW(d.trainable_parameters(), lr=1e-2)
