@@ -205,6 +205,9 @@ class Eagle3Config:
     norm_before_fc: bool = False
     # initialise the draft layer(s) from this target decoder layer (-1: the last)
     init_layer: Optional[int] = num(None, ge=-1)
+    # keep the draft lm_head (initialised from the target's rows of the draft vocabulary) frozen, as
+    # speculators' trainer does: one [N, H] x [H, draft vocab] weight-gradient matmul less per TTT step
+    freeze_lm_head: bool = False
     # EAGLE-1's feature augmentation, in training only: each tap at each position gets uniform noise
     # U(-a, a) times that tap's RMS there (a relative scale, as the taps are raw residual streams); 0: off
     feature_noise: float = num(0.0, ge=0, le=1)

@@ -81,6 +81,8 @@ METHODS = {
     "eagle3_lr6e3": ("eagle3", ["train.lr=6e-3"], "EAGLE-3, learning rate 6e-3 (recipe: 3e-3)"),
     "eagle3_decay05": ("eagle3", ["eagle3.step_decay=0.5"], "EAGLE-3, TTT step weights 0.5^i (recipe: 0.8^i)"),
     "eagle3_tt05": ("eagle3", ["eagle3.teacher_temperature=0.5"], "EAGLE-3, teacher softmax(logits / 0.5) (recipe: 1)"),
+    "eagle3_frozenhead": ("eagle3", ["eagle3.freeze_lm_head=true"],
+                          "EAGLE-3, lm_head frozen at the target's rows (speculators' choice; recipe: trained)"),
     "eagle3_decay09": ("eagle3", ["eagle3.step_decay=0.9"], "EAGLE-3, TTT step weights 0.9^i (recipe: 0.8^i)"),
     # against memorising the training chats (docs target: EAGLE-3 tau 4.34 on 16 training prompts, 3.45 held out)
     "eagle3_noise01": ("eagle3", ["eagle3.feature_noise=0.1"], "EAGLE-3, feature noise U(-0.1, 0.1) x tap RMS"),

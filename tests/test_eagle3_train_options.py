@@ -4,6 +4,7 @@
   tap's RMS at each position, off at 0, applied in training only.
 - ``eagle3.teacher_temperature``: the soft CE's teacher is ``softmax(logits / t)`` (by hand in
   tests/test_losses.py); here: the method passes it through.
+- ``eagle3.freeze_lm_head``: the draft lm_head stays the target's rows (no gradient, not optimised).
 
 A drafter trained with both still decodes exactly (greedy == AR)."""
 from __future__ import annotations
@@ -43,9 +44,10 @@ def test_noise_is_bounded_by_each_taps_rms_and_off_at_zero():
     torch.testing.assert_close(again, out)  # reproducible from the generator
 
 
-def _method(noise, teacher_temperature=1.0):
+def _method(noise, teacher_temperature=1.0, freeze_lm_head=False):
     return Eagle3Method(_cfg("Eagle3Config", ttt_steps=3, draft_vocab_size=30, feature_noise=noise,
-                             teacher_temperature=teacher_temperature), _Tok(), _target())
+                             teacher_temperature=teacher_temperature, freeze_lm_head=freeze_lm_head),
+                        _Tok(), _target())
 
 
 def _loss(m, d, t, b):
@@ -101,18 +103,37 @@ def test_teacher_temperature_reaches_the_loss():
     assert all(torch.equal(sa[k], sc[k]) for k in sa if not k.startswith("loss_sum"))  # acc / accept: the target's
 
 
+def test_frozen_lm_head_is_the_targets_rows_and_gets_no_gradient():
+    t = _target()
+    ex = _examples(4, seed=3)
+    b = collate(ex, 0)
+    m = _method(0.0, freeze_lm_head=True)
+    d = m.build_drafter(t, ex, "tiny")
+    names = {id(p): n for n, p in d.named_parameters()}
+    trainable = {names[id(p)] for p in m.param_groups(d, 1e-3)[0]["params"]}
+    assert "lm_head.weight" not in trainable and "fc.weight" in trainable and "norm.weight" in trainable
+    rows = t.get_output_embeddings().weight[d.draft_target_ids()]
+    torch.testing.assert_close(d.lm_head.weight, rows)
+    _loss(m, d, t, b).backward()
+    assert d.lm_head.weight.grad is None and d.fc.weight.grad is not None
+    plain = _method(0.0)
+    assert "lm_head.weight" in {n for n, p in plain.build_drafter(t, ex, "tiny").named_parameters() if p.requires_grad}
+
+
 def test_greedy_equals_ar_after_training_with_the_options():
     t = _target()
     ex = _examples(6, seed=4)
     b = collate(ex, 0)
-    m = _method(0.3, teacher_temperature=0.5)
+    m = _method(0.3, teacher_temperature=0.5, freeze_lm_head=True)
     torch.manual_seed(0)
     d = m.build_drafter(t, ex, "tiny")
+    head = d.lm_head.weight.clone()
     opt = torch.optim.AdamW(d.trainable_parameters(), lr=1e-2)
     for _ in range(3):
         opt.zero_grad()
         _loss(m, d, t, b).backward()
         opt.step()
+    torch.testing.assert_close(d.lm_head.weight, head)  # frozen through training
     d.eval()
     runner = TargetRunner(t, taps=m.taps)
     prompt = torch.randint(3, V, (9,), generator=torch.Generator().manual_seed(7)).tolist()

@@ -702,7 +702,14 @@ class Eagle3Drafter(nn.Module):
         return d2t_target_ids(self.d2t)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens.")]
+        """Every parameter but the (frozen) token embedding and anything else frozen (``freeze_lm_head``)."""
+        return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens.") and p.requires_grad]
+
+    def freeze_lm_head(self) -> None:
+        """Keep ``lm_head`` (the target's output-embedding rows of the draft vocabulary, from
+        :meth:`from_target`) fixed in training, as speculators' trainer does: no weight gradient, no optimizer
+        state; the draft layer learns to produce hidden states the target's own head reads."""
+        self.lm_head.weight.requires_grad_(False)
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """``[B, T, 3*Ht]`` -> ``[B, T, H]``: ``input_norm`` over all three taps (``norm_before_fc``), then one

@@ -87,12 +87,15 @@ class Eagle3Method(MethodDefaults):
         self.d2t = d2t  # the teacher's draft-vocabulary rows (capture)
         coverage = counts[t2d].sum().item() / max(1, counts.sum().item())
         self.vocab_coverage = coverage
-        return Eagle3Drafter.from_target(
+        drafter = Eagle3Drafter.from_target(
             target_model, self.taps, d2t, t2d, num_layers=self.cfg.num_layers, target_name_or_path=target_name,
             fc_norm=self.cfg.fc_norm, norm_output=self.cfg.norm_output, qk_norm=self.cfg.qk_norm,
             init_layer=self.cfg.init_layer, norm_before_residual=self.cfg.norm_before_residual,
             norm_before_fc=self.cfg.norm_before_fc,
         )
+        if getattr(self.cfg, "freeze_lm_head", False):
+            drafter.freeze_lm_head()
+        return drafter
 
     def describe(self, drafter) -> str:
         return (f"taps {list(self.taps)}, draft vocab {drafter.d2t.numel()} "
