@@ -119,6 +119,8 @@ def _check_rules(job: str, cfg: DictConfig) -> None:
             cfg.data.source == "structured" and not (cfg.data.path or cfg.data.eval_path))):
         raise DraftTrainError(f"data.num_eval=0 (every row of a prompt file) needs a file; the built-in "
                               f"data={cfg.data.source} set needs a count >= 1")
+    if "data" in cfg and _get(cfg, "data.regen_answers") not in (None, 1):
+        _check_answers(cfg.data)
     if "decode" in cfg:
         _check_decode(cfg.decode, job)
     if job == "bench":
@@ -129,6 +131,15 @@ def _check_rules(job: str, cfg: DictConfig) -> None:
         _ascending(cfg.tree_sizes, "tree_sizes")
     if job == "regenerate":
         _check_regenerate(cfg)
+
+
+def _check_answers(d: DictConfig) -> None:
+    shown = f"data.regen_answers={d.regen_answers}"
+    if d.source != "builtin":
+        raise DraftTrainError(f"{shown}: only read with data=builtin (a file's rows are its own answers)")
+    if not d.regenerate or d.regen_temperature <= 0:
+        raise DraftTrainError(f"{shown}: further answers are sampled, so it needs data.regenerate=true and "
+                              f"data.regen_temperature > 0 (got {d.regenerate}, {_fmt(d.regen_temperature)})")
 
 
 def _check_regenerate(cfg: DictConfig) -> None:

@@ -61,6 +61,10 @@ METHODS = {
                          "Medusa-1 on the same half-sampled, half-greedy answers"),
     "medusa1_greedyregen": ("medusa", ["data.regen_temperature=0"],
                             "Medusa-1, every training answer regenerated greedily (the default until 2026-12-04)"),
+    "eagle3_answers2": ("eagle3", ["data.regen_answers=2"],
+                        "EAGLE-3, two answers per training prompt (the second sampled at T=0.7)"),
+    "medusa1_answers2": ("medusa", ["data.regen_answers=2"],
+                         "Medusa-1, two answers per training prompt (the second sampled at T=0.7)"),
     "eagle3_curr": ("eagle3", ["eagle3.ttt_curriculum=50"],
                     "EAGLE-3, TTT curriculum (unrolled depth 1 -> 7 over the first 50 steps)"),
     "eagle3_v31_lr3e3": ("eagle3", ["eagle3.fc_norm=true", "eagle3.norm_output=true", "train.lr=3e-3"],
@@ -124,7 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=150, help="optimizer steps for every trained method")
     ap.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
     ap.add_argument("--micro-batch-size", type=int, default=8)
-    ap.add_argument("--num-train", type=int, default=512, help="training conversations (data.num_train)")
+    ap.add_argument("--num-train", type=int, default=512,
+                    help="training conversations (data.num_train; 0 = the whole draft split)")
     ap.add_argument("--max-length", type=int, default=384, help="data.max_length")
     ap.add_argument("--num-prompts", type=int, default=16, help="held-out eval prompts")
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -150,7 +155,7 @@ def main(argv=None) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
-    data = ["data=builtin", f"data.num_train={args.num_train}", f"data.max_length={args.max_length}",
+    data = ["data=builtin", f"data.num_train={args.num_train or 'null'}", f"data.max_length={args.max_length}",
             f"data.num_eval={args.num_prompts}"]
     decode = [f"decode.num_prompts={args.num_prompts}", f"decode.max_new_tokens={args.max_new_tokens}",
               f"decode.num_draft_tokens={args.num_draft_tokens}", "decode.temperature=0.0", "decode.sweep=[]"]
@@ -337,7 +342,7 @@ def write_table(results: dict, args, out: Path, sampled: dict | None = None, tre
         if res["recipe"]:
             lines.append(f"# {name}: accelerate launch train.py recipe={res['recipe']} "
                          + " ".join(res["extra"] + [f"train.max_steps={args.steps}", f"train.batch_size={args.batch_size}",
-                                                    f"data.num_train={args.num_train}"]))
+                                                    f"data.num_train={args.num_train or 'null'}"]))
         else:
             lines.append(f"# {name}: drafttrain eval " + " ".join(res["extra"]))
     for name in trees or {}:

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
                     "budget), e.g. 0:50,0:100,0:300,1:100,2:100")
     ap.add_argument("--only-table", action="store_true", help="read the runs back; train nothing")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--num-train", type=int, default=1024)
+    ap.add_argument("--num-train", type=int, default=1024, help="data.num_train (0 = the whole draft split)")
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)

@@ -209,6 +209,30 @@ def test_builtin_dataset_mixes_sampled_and_greedy_answers(target, tmp_path):
         [c.messages for c in greedy]
 
 
+
+def test_builtin_dataset_further_answers_are_sampled_per_prompt(target, tmp_path):
+    """data.regen_answers=2: the mix's rows, then every prompt again with a second answer sampled under a seed of
+    its own (its own cache); further answers need a temperature; num_train=None is the whole draft split."""
+    model, tok = target
+    kw = dict(target_id="tiny-builtin", num_train=5, num_eval=0, max_new_tokens=MAX_NEW, batch_size=4,
+              cache_dir=tmp_path, seed=0, progress=False, temperature=1.5, sampled_fraction=0.4)
+    first, _ = builtin_dataset(model, tok, **kw)
+    two, _ = builtin_dataset(model, tok, **kw, answers=2)
+    assert len(two) == 10
+    assert [c.messages for c in two[:5]] == [c.messages for c in first]
+    assert [c.id for c in two[5:]] == [c.id for c in first]
+    assert [c.messages[0] for c in two[5:]] == [c.messages[0] for c in first]  # the same prompts
+    # answered again by sampling: not the first pass's answers (sampled rows: another seed; greedy rows: sampled)
+    assert [c.messages[1] for c in two[5:]] != [c.messages[1] for c in first]
+    assert [c.messages[1] for c in two[5:7]] != [c.messages[1] for c in first[:2]]
+    assert len(list(tmp_path.glob("builtin-regen-*.jsonl"))) == 3  # the mix's two parts and the second answers
+    again, _ = builtin_dataset(None, tok, **kw, answers=2)  # from the caches
+    assert [c.messages for c in again] == [c.messages for c in two]
+    with pytest.raises(DraftTrainError, match="regen_answers=2.*regen_temperature"):
+        builtin_dataset(None, tok, **{**kw, "temperature": 0.0}, answers=2)
+    whole = builtin_conversations("draft", None, seed=0)
+    assert [c.id for c in whole[:5]] == [c.id for c in first] and len(whole) > 5
+
 # ------------------------------------------------------------------ truncation (turns stopped at max_new_tokens)
 class _ScriptedTarget:
     """A stand-in target whose answer length is set by the prompt: the last ``<n=K>`` in it asks for K tokens

@@ -153,6 +153,10 @@ def _job(name, **updates):
     ("eval", {"decode.grammar": '{"type": "object", "properties": 3}'}, "decode.grammar"),
     ("tune", {"tree_sizes": [8, 8]}, "tree_sizes=[8,8]: must be strictly increasing"),
     ("eval", {"data.num_eval": 0}, "data.num_eval=0 (every row of a prompt file) needs a file"),
+    ("train", {"data.regen_answers": 2, "data.regen_temperature": 0.0}, "data.regen_answers=2: further answers are "
+     "sampled, so it needs data.regenerate=true and data.regen_temperature > 0 (got True, 0)"),
+    ("train", {"data.regen_answers": 2, "data.source": "jsonl", "data.path": "x.jsonl"},
+     "data.regen_answers=2: only read with data=builtin"),
 ])
 def test_cross_field_rules(job, updates, needle, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -164,6 +168,7 @@ def test_cross_field_rules(job, updates, needle, monkeypatch):
 def test_the_defaults_and_edge_values_pass(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     check_job("train", _job("train"))
+    check_job("train", _job("train", **{"data.regen_answers": 2, "data.regen_temperature": 0.7, "data.num_train": None}))
     check_job("eval", _job("eval", **{"decode.method": "ar", "decode.num_draft_tokens": 0, "decode.top_p": 1.0}))
     check_job("eval", _job("eval", **{"decode.batch_size": 8, "decode.method": "pld", "decode.typical_acceptance": True}))
     check_job("eval", _job("eval", **{"decode.tree.enabled": True, "decode.tree.depth": 2, "decode.tree.top_k": 2,

@@ -77,12 +77,15 @@ def builtin_conversations(split: str, limit: int | None = None, seed: int = 0, c
 
 def regenerated_cache_path(
     cache_dir: str | Path, target_id: str, num_train: int | None, max_new_tokens: int, temperature: float, seed: int,
-    corpus: str = "code", rows: tuple[int, int] | None = None,
+    corpus: str = "code", rows: tuple[int, int] | None = None, answer: int = 0,
 ) -> Path:
-    """The cache of the regenerated training chats; ``rows`` ``(lo, hi)``: of those chats' slice only (a mix)."""
+    """The cache of the regenerated training chats; ``rows`` ``(lo, hi)``: of those chats' slice only (a mix);
+    ``answer`` j > 0: the prompts' (j+1)-th answers (``data.regen_answers``)."""
     fields = {"corpus": corpus} if corpus != "code" else {}  # code caches predate the field and keep their names
     if rows is not None:
         fields["rows"] = [int(rows[0]), int(rows[1])]
+    if answer:
+        fields["answer"] = int(answer)
     key = json.dumps(
         {
             **fields,
@@ -114,6 +117,7 @@ def builtin_dataset(
     progress: bool = True,
     corpus: str = "code",
     sampled_fraction: float = 1.0,
+    answers: int = 1,
 ) -> tuple[list[Conversation], list[Conversation]]:
     """(train conversations, eval conversations) for ``data=builtin``.
 
@@ -122,8 +126,13 @@ def builtin_dataset(
     ``model`` is only used when the cache is missing or incomplete. Several processes may call this at once:
     one regenerates, the others wait for it and then read the cache. With ``temperature > 0`` the first
     ``round(sampled_fraction * n)`` chats (of the seeded shuffle) are answered by sampling at ``temperature``
-    and the others greedily, each part cached on its own; the rows keep the shuffle's order.
+    and the others greedily, each part cached on its own; the rows keep the shuffle's order. ``answers > 1``
+    (needs ``temperature > 0``) appends, for each further answer ``j``, every prompt answered again by sampling
+    at ``temperature`` with seed ``seed + j`` (cached on its own), so the rows are ``answers`` x the prompts.
     """
+    if answers < 1 or (answers > 1 and temperature <= 0):
+        raise DraftTrainError(f"data.regen_answers={answers}: must be >= 1, and > 1 needs data.regen_temperature "
+                              "> 0 (further greedy answers would repeat the first)")
     train = builtin_conversations("draft", num_train, seed, corpus)
     evals = builtin_conversations("eval", num_eval, seed, corpus)
     if not regenerate:
@@ -137,16 +146,20 @@ def builtin_dataset(
         parts = [(train, temperature, None)]
     else:
         parts = [(train[:k], temperature, (0, k)), (train[k:], 0.0, (k, len(train)))]
+    parts = [(rows, temp, span, 0) for rows, temp, span in parts]
+    parts += [(train, temperature, None, j) for j in range(1, answers)]
     out: list[Conversation] = []
-    for rows, temp, span in parts:
+    for rows, temp, span, j in parts:
         if not rows:
             continue
-        path = regenerated_cache_path(cache_dir, target_id, num_train, max_new_tokens, temp, seed, corpus, span)
+        path = regenerated_cache_path(cache_dir, target_id, num_train, max_new_tokens, temp, seed + j, corpus, span,
+                                      answer=j)
         stats = regenerate_to_jsonl(model, tokenizer, rows, path, batch_size=batch_size,
-                                    max_new_tokens=max_new_tokens, temperature=temp, seed=seed, progress=progress,
+                                    max_new_tokens=max_new_tokens, temperature=temp, seed=seed + j, progress=progress,
                                     wait_for_lock=True)
         if stats["rows"] and progress:
             what = "built-in data" if span is None else f"built-in data, rows {span[0]}-{span[1]} at T={temp:g}"
+            what += f", answer {j + 1} at T={temp:g}" if j else ""
             print(f"[drafttrain] {what}: {describe_stats(stats, 'data.regen_max_new_tokens', None)} -> {path}",
                   flush=True)
         out.extend(read_conversations(path))  # rows the target could not answer ("dropped") are left out

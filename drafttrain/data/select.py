@@ -42,7 +42,7 @@ def load_training_data(job, model, tokenizer, target_name: str, run_dir: Path):
             model, tokenizer, target_id=target_name, num_train=d.num_train, num_eval=d.num_eval,
             max_new_tokens=d.regen_max_new_tokens, regenerate=d.regenerate, temperature=d.regen_temperature,
             batch_size=d.regen_batch_size, cache_dir=cache_root() / "data", seed=d.seed, corpus=corpus,
-            sampled_fraction=d.regen_sampled_fraction,
+            sampled_fraction=d.regen_sampled_fraction, answers=d.regen_answers,
         )
         eval_convs = EvalSet(eval_convs, f"{len(eval_convs)} built-in held-out {corpus} chats")
     elif d.source in FILE_SOURCES:
