@@ -228,6 +228,9 @@ def test_builtin_dataset_further_answers_are_sampled_per_prompt(target, tmp_path
     assert len(list(tmp_path.glob("builtin-regen-*.jsonl"))) == 3  # the mix's two parts and the second answers
     again, _ = builtin_dataset(None, tok, **kw, answers=2)  # from the caches
     assert [c.messages for c in again] == [c.messages for c in two]
+    # every answer sampled, the same rows in the same batches: only the second answers' own seed tells them apart
+    alls, _ = builtin_dataset(model, tok, **{**kw, "sampled_fraction": 1.0}, answers=2)
+    assert all(a.messages[1] != b.messages[1] for a, b in zip(alls[:5], alls[5:]))
     with pytest.raises(DraftTrainError, match="regen_answers=2.*regen_temperature"):
         builtin_dataset(None, tok, **{**kw, "temperature": 0.0}, answers=2)
     whole = builtin_conversations("draft", None, seed=0)
