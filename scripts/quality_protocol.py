@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-train", type=int, default=1024, help="data.num_train (0 = the whole draft split)")
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--eval-prompts", type=int, default=0,
+                    help="score every trained drafter again on this many held-out prompts (the first --num-prompts "
+                    "of them are the training run's own) and report those; 0 = the training run's own report")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("-K", type=int, default=4)
     ap.add_argument("--sampled", default="", help="budgets (comma list) whose drafters are also decoded at T=0.7, "
@@ -92,26 +95,37 @@ def run_cell(a, target: str, seed: int, steps: int, methods: list[str]) -> list[
         rep = json.loads((runs / m / "report.json").read_text())
         tm = runs / m / "train_metrics.json"
         train = json.loads(tm.read_text()) if tm.exists() else {}
+        n = a.eval_prompts or a.num_prompts
+        if a.eval_prompts and (runs / m / "final").exists():  # the drafter scored again on more held-out prompts
+            rep = evaluate(a, runs, m, f"{m}_p{n}", n, ["decode.temperature=0.0"], overrides) or {}
+            if not rep:
+                continue
         row = {"target": target, "method": m, "steps": steps, "seed": seed, "tau": rep["tau"], "alpha": rep["alpha"],
                "per_position": rep["acceptance_per_position"], "train_s": train.get("train_seconds"),
-               "outputs_match": rep.get("outputs_match_baseline")}
+               "outputs_match": rep.get("outputs_match_baseline"), "prompts": n}
         if str(steps) in a.sampled.split(",") and (runs / m / "final").exists():
-            srun = runs / f"{m}_t07"
-            if not (srun / "report.json").exists() and not a.only_table:
-                subprocess.run([sys.executable, "-m", "drafttrain.cli", "eval", f"drafter={runs / m / 'final'}",
-                                "data=builtin", f"data.num_eval={a.num_prompts}",
-                                f"decode.num_prompts={a.num_prompts}", f"decode.max_new_tokens={a.max_new_tokens}",
-                                f"decode.num_draft_tokens={a.K}", "decode.temperature=0.7", "decode.top_p=0.9",
-                                "decode.sweep=[]", *overrides, f"hydra.run.dir={srun}"], check=True, cwd=REPO,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
-            if (srun / "report.json").exists():
-                s = json.loads((srun / "report.json").read_text())
+            name = f"{m}_p{n}_t07" if a.eval_prompts else f"{m}_t07"
+            s = evaluate(a, runs, m, name, n, ["decode.temperature=0.7", "decode.top_p=0.9"], overrides)
+            if s:
                 row.update(tau_t07=s["tau"], alpha_t07=s["alpha"])
-        sampled = rep.get("sampled") or {}
+        sampled = {} if a.eval_prompts else rep.get("sampled") or {}
         if "tau_t07" not in row and sampled.get("temperature") == 0.7 and sampled.get("top_p") == 0.9:
             row.update(tau_t07=sampled["tau"], alpha_t07=sampled["alpha"])  # the run's own sampled row
         rows.append(row)
     return rows
+
+
+def evaluate(a, runs: Path, m: str, name: str, n: int, sampling: list[str], overrides: list[str]) -> dict | None:
+    """``drafttrain eval`` of run ``m``'s final drafter on ``n`` held-out prompts into ``runs/name`` (reused when
+    its report exists); its report, or None (``--only-table`` and not run yet)."""
+    srun = runs / name
+    if not (srun / "report.json").exists() and not a.only_table:
+        subprocess.run([sys.executable, "-m", "drafttrain.cli", "eval", f"drafter={runs / m / 'final'}",
+                        "data=builtin", f"data.num_eval={n}", f"decode.num_prompts={n}",
+                        f"decode.max_new_tokens={a.max_new_tokens}", f"decode.num_draft_tokens={a.K}", *sampling,
+                        "decode.sweep=[]", *overrides, f"hydra.run.dir={srun}"], check=True, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+    return json.loads((srun / "report.json").read_text()) if (srun / "report.json").exists() else None
 
 
 def summary(rows) -> list[str]:
@@ -174,7 +188,8 @@ def write_table(rows, a, out: Path) -> None:
         lines.append("| " + " | ".join(cells) + " |")
     text = out.read_text() if out.exists() else f"# Training quality: τ against the training budget\n\n"
     begin, end = "<!-- quality_protocol.py: begin generated -->", "<!-- quality_protocol.py: end generated -->"
-    body = (f"{begin}\nGreedy, chain, K = {K}, {a.num_prompts} held-out prompts x up to {a.max_new_tokens} new "
+    prompts = a.eval_prompts or a.num_prompts
+    body = (f"{begin}\nGreedy, chain, K = {K}, {prompts} held-out prompts x up to {a.max_new_tokens} new "
             f"tokens; every run: {a.batch_size} sequences per step of the same {a.num_train} target-regenerated chats "
             f"(max length {a.max_length}); α@i = acceptance at position i. All greedy outputs equal AR: "
             f"{all(r['outputs_match'] for r in rows)}.\n\nMean τ over seeds (min–max, number of seeds):\n\n"
