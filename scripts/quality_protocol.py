@@ -11,6 +11,8 @@ optimizer steps, one panel per target. ``--targets`` are Hydra target groups (``
 ``builtin-docs``: the Qwen3 docs target); ``data=builtin`` follows each one's corpus. Runs are reused when their
 report.json exists, so an interrupted protocol resumes, and ``--only-table`` rebuilds the tables from the runs
 already there. ``--sampled 300`` adds an evaluation of the 300-step drafters at temperature 0.7 / top-p 0.9.
+Every drafter is scored on ``--eval-prompts`` (64) held-out prompts after its training run (whose own report
+uses ``--num-prompts``, 16): on the docs target 16 prompts put one drafter at τ 3.45 and 64 at 3.90.
 Each (target, seed, budget) may be run by its own process (``--targets``/``--seeds``/``--budgets`` narrowed,
 ``--out`` elsewhere); a final call over the whole grid reads them all back into one table.
 """
@@ -42,9 +44,10 @@ def main(argv=None) -> int:
     ap.add_argument("--num-train", type=int, default=1024, help="data.num_train (0 = the whole draft split)")
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--eval-prompts", type=int, default=0,
+    ap.add_argument("--eval-prompts", type=int, default=64,
                     help="score every trained drafter again on this many held-out prompts (the first --num-prompts "
-                    "of them are the training run's own) and report those; 0 = the training run's own report")
+                    "of them are the training run's own) and report those (16 prompts moved tau by up to 0.45 on "
+                    "the docs target); 0 = the training run's own report")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("-K", type=int, default=4)
     ap.add_argument("--sampled", default="", help="budgets (comma list) whose drafters are also decoded at T=0.7, "
