@@ -215,6 +215,11 @@ class Eagle3Config:
     # EAGLE-1's feature augmentation, in training only: each tap at each position gets uniform noise
     # U(-a, a) times that tap's RMS there (a relative scale, as the taps are raw residual streams); 0: off
     feature_noise: float = num(0.0, ge=0, le=1)
+    # GRIFFIN's token-alignable training (arXiv 2502.11018): from TTT step 1 on, a position is scored only if
+    # at every earlier step it was scored at, the target's argmax was among the draft's top-k there (the
+    # contexts a chain reaches at decode time); the step's mean still divides by all its valid positions, so
+    # each step's weight follows how often it is reached. 0: off (every valid position at every step)
+    align_top_k: int = num(0, ge=0)
 
 
 @dataclass

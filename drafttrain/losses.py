@@ -35,7 +35,7 @@ import torch
 
 from .data.vocab import d2t_target_ids
 
-__all__ = ["eagle3_valid_mask", "eagle3_step_stats", "combine_step_losses", "step_weights", "same_document",
+__all__ = ["eagle3_valid_mask", "eagle3_step_stats", "eagle3_aligned", "combine_step_losses", "step_weights", "same_document",
            "Eagle3Teacher", "teacher_from_logits", "teacher_from_hidden", "EAGLE3_LOSSES", "soft_cross_entropy"]
 
 # EAGLE-3 step losses: soft cross-entropy to the renormalised teacher on the draft vocabulary (EAGLE-3's
@@ -287,6 +287,34 @@ def eagle3_step_stats(
         accept_sum = torch.minimum(p_full_on_draft, q.detach()).sum()
     count = torch.tensor(float(q_logits.shape[0]), device=loss_sum.device)
     return {"loss_sum": loss_sum, "acc_sum": acc_sum, "accept_sum": accept_sum, "count": count}
+
+
+@torch.no_grad()
+def eagle3_aligned(
+    draft_logits: torch.Tensor,
+    target: torch.Tensor | Eagle3Teacher,
+    valid: torch.Tensor,
+    d2t: torch.Tensor,
+    step: int,
+    top_k: int = 1,
+) -> torch.Tensor:
+    """GRIFFIN's token alignment (arXiv 2502.11018): ``[N]`` bool, one per valid position of TTT step
+    ``step`` in row-major order (the rows of ``draft_logits`` ``[N, Vd]``, as :func:`eagle3_step_stats` takes
+    them): whether the target's argmax at ``t+1+step`` (full vocabulary) is among the draft's ``top_k``
+    tokens there. With ``top_k=1``: the draft's greedy token would have been accepted at that depth."""
+    if draft_logits.dim() != 2:
+        raise ValueError(f"draft_logits must be the valid rows [N, Vd], got {tuple(draft_logits.shape)}")
+    teacher = _as_teacher(target, d2t)
+    i = int(step)
+    T = valid.shape[1]
+    n = max(T - 1 - i, 0)
+    v = valid.bool()[:, :n]
+    top = teacher.top[:, 1 + i : 1 + i + n][v].to(draft_logits.device)  # [N] target ids
+    if top.shape[0] != draft_logits.shape[0]:
+        raise ValueError(f"{draft_logits.shape[0]} draft rows for {top.shape[0]} valid positions")
+    k = max(1, min(int(top_k), draft_logits.shape[-1]))
+    ids = d2t_target_ids(d2t).to(draft_logits.device)[draft_logits.topk(k, dim=-1).indices]  # [N, k]
+    return (ids == top[:, None]).any(-1)
 
 
 class _SoftCrossEntropy(torch.autograd.Function):

@@ -92,6 +92,9 @@ METHODS = {
     "eagle3_noise01": ("eagle3", ["eagle3.feature_noise=0.1"], "EAGLE-3, feature noise U(-0.1, 0.1) x tap RMS"),
     "eagle3_noise03": ("eagle3", ["eagle3.feature_noise=0.3"], "EAGLE-3, feature noise U(-0.3, 0.3) x tap RMS"),
     "eagle3_wd01": ("eagle3", ["train.weight_decay=0.1"], "EAGLE-3, AdamW weight decay 0.1 (recipe: 0)"),
+    # GRIFFIN's token-alignable training: later TTT steps score only the positions earlier steps got right
+    "eagle3_align1": ("eagle3", ["eagle3.align_top_k=1"], "EAGLE-3, token alignment: earlier steps' top-1 right"),
+    "eagle3_align3": ("eagle3", ["eagle3.align_top_k=3"], "EAGLE-3, token alignment: earlier steps' top-3 right"),
 }
 DEFAULT = ["eagle3", "medusa1", "medusa2", "kd", "ce", "pld"]
 

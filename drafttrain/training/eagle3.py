@@ -15,8 +15,8 @@ from ..data.packing import lm_inputs
 from ..data.vocab import build_draft_vocab, count_assistant_tokens, default_draft_vocab_size
 from ..drafters.eagle3 import Eagle3Drafter, noisy_taps
 from ..io import DraftTrainError
-from ..losses import (EAGLE3_LOSSES, Eagle3Teacher, combine_step_losses, eagle3_step_stats, eagle3_valid_mask,
-                      step_weights, teacher_from_hidden, teacher_from_logits)
+from ..losses import (EAGLE3_LOSSES, Eagle3Teacher, combine_step_losses, eagle3_aligned, eagle3_step_stats,
+                      eagle3_valid_mask, step_weights, teacher_from_hidden, teacher_from_logits)
 from ..targets.load import gather_taps, num_layers, resolve_taps, text_config
 from .method import MethodDefaults, chain_tau, position_means
 
@@ -53,6 +53,39 @@ def ttt_depth(step: int, ttt_steps: int, curriculum: int) -> int:
     return max(1, min(ttt_steps, 1 + (step * ttt_steps) // curriculum))
 
 
+class _Alignment:
+    """``eagle3.align_top_k``'s state over one micro-batch's TTT unroll: ``keep`` ``[B, T]`` is False at the
+    positions some earlier step scored where the target's argmax was not among the draft's top-k
+    (:func:`drafttrain.losses.eagle3_aligned`); step i scores its valid positions that are still kept. The
+    selection of each step is recorded the first time, so a recomputation of the step (``checkpoint_head``'s
+    backward) scores the same rows and does not update ``keep`` again."""
+
+    def __init__(self, top_k: int, teacher: Eagle3Teacher, d2t: torch.Tensor) -> None:
+        self.top_k, self.teacher, self.d2t = top_k, teacher, d2t
+        self.keep: torch.Tensor | None = None
+        self.chosen: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.updated: set[int] = set()
+
+    def select(self, i: int, rows: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if i not in self.chosen:
+            if self.keep is None:
+                self.chosen[i] = (None, mask)
+            else:
+                keep = self.keep.to(mask.device)
+                self.chosen[i] = (keep[mask].to(rows.device), mask & keep)
+        sel, chosen = self.chosen[i]
+        return (rows if sel is None else rows[sel]), chosen
+
+    def update(self, i: int, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        if i in self.updated:
+            return
+        self.updated.add(i)
+        hit = eagle3_aligned(logits.detach(), self.teacher, mask, self.d2t, i, self.top_k)
+        keep = torch.ones_like(mask, dtype=torch.bool) if self.keep is None else self.keep.clone()
+        keep[mask] = hit.to(keep.device)
+        self.keep = keep
+
+
 class Eagle3Method(MethodDefaults):
     name = "eagle3"
 
@@ -76,6 +109,7 @@ class Eagle3Method(MethodDefaults):
         self.recompute_teacher = bool(cfg.recompute_teacher)
         self.feature_noise = float(getattr(cfg, "feature_noise", 0.0))
         self.teacher_temperature = float(getattr(cfg, "teacher_temperature", 1.0))
+        self.align_top_k = int(getattr(cfg, "align_top_k", 0))
 
     def build_drafter(self, target_model, examples, target_name: str) -> Eagle3Drafter:
         V = target_model.get_output_embeddings().weight.shape[0]
@@ -165,9 +199,16 @@ class Eagle3Method(MethodDefaults):
         Returns (scaled loss, stats dict of per-step sums).
         """
         masks = self.valid_masks(drafter, batch, cap)
+        align = _Alignment(self.align_top_k, cap.teacher, drafter.d2t) if self.align_top_k else None
 
         def step_loss(i, rows, head):  # rows: step i's hidden states at its valid positions (row-major)
-            return eagle3_step_stats(head(rows).float(), cap.teacher, masks[i], drafter.d2t, drafter.t2d, i,
+            mask = masks[i]
+            if align is not None:
+                rows, mask = align.select(i, rows, mask)
+            logits = head(rows).float()
+            if align is not None:
+                align.update(i, logits, mask)
+            return eagle3_step_stats(logits, cap.teacher, mask, drafter.d2t, drafter.t2d, i,
                                      loss=self.loss_kind, teacher_temperature=self.teacher_temperature)
 
         d = self.depth
