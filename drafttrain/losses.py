@@ -28,7 +28,7 @@ log-normaliser and argmax, which :func:`teacher_from_hidden` computes in vocabul
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -84,6 +84,8 @@ class Eagle3Teacher:
     rows: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     softcap: float | None = None
+    # draft_probs' per-temperature tables of the dense form (not part of the teacher's value)
+    _probs_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if (self.logits is None) == (self.hidden is None) or (self.hidden is not None and self.rows is None):
@@ -108,6 +110,37 @@ class Eagle3Teacher:
             return self.logits.detach()[:, sl][valid].float()
         with torch.no_grad():
             return _head_logits(self.hidden[:, sl][valid], self.rows, self.bias, self.softcap)
+
+    def draft_probs(self, sl: slice, valid: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(p_soft, p_full)`` ``[N, Vd]`` float32 at positions ``[:, sl]`` where ``valid`` (row-major), detached:
+        ``softmax(logits / temperature)`` over the draft vocabulary (renormalised) and the full-vocabulary
+        probabilities ``exp(logits - lse)`` of the same tokens.
+
+        The dense form computes both once for every position and keeps them (TTT step i reads the teacher at
+        t+1+i, so each position is read by up to ``ttt_steps`` steps: one softmax instead of one per step).
+        At ``temperature`` 1, ``p_full = p_soft * exp(lse_draft - lse)``, so only ``p_soft`` is kept. The
+        on-demand form computes them per call (its memory bound is the point of that form)."""
+        if self.logits is None:
+            x = self.draft_logits(sl, valid)
+            return self._probs(x, self.lse.detach()[:, sl][valid].float(), temperature)
+        key = float(temperature)
+        if key not in self._probs_cache:
+            x = self.logits.detach().float()
+            self._probs_cache[key] = self._probs(x, self.lse.detach().float(), key, factored=True)
+        p_soft, second = self._probs_cache[key]
+        p = p_soft[:, sl][valid]
+        if second.dim() == p_soft.dim() - 1:  # the draft vocabulary's share of the full mass, per position
+            return p, p * second[:, sl][valid].unsqueeze(-1)
+        return p, second[:, sl][valid]
+
+    @staticmethod
+    def _probs(x: torch.Tensor, lse: torch.Tensor, temperature: float, factored: bool = False):
+        if temperature == 1.0:
+            lse_draft = torch.logsumexp(x, dim=-1, keepdim=True)
+            p_soft = (x - lse_draft).exp_()
+            mass = (lse_draft.squeeze(-1) - lse).exp_()  # sum over the draft vocabulary of the full softmax
+            return (p_soft, mass) if factored else (p_soft, p_soft * mass.unsqueeze(-1))
+        return torch.softmax(x / temperature, dim=-1), (x - lse.unsqueeze(-1)).exp_()
 
     def dense_logits(self) -> torch.Tensor:
         """``[B, T, Vd]`` float32 logits (built on demand in the on-demand form)."""
@@ -266,25 +299,25 @@ def eagle3_step_stats(
     if rows and q_logits.shape[0] != int(v.sum()):
         raise ValueError(f"{q_logits.shape[0]} draft rows for {int(v.sum())} valid positions")
     sl = slice(1 + i, 1 + i + n)
-    p_logits = teacher.draft_logits(sl, v)                             # [N, Vd]; the teacher is a constant
-    p_lse = teacher.lse.detach()[:, sl][v].float()                     # [N]
+    # [N, Vd] each, constants: the teacher softmax on the draft vocabulary (renormalised) and the
+    # full-vocabulary probabilities of the same tokens
+    p_soft, p_full_on_draft = teacher.draft_probs(sl, v, teacher_temperature)
     p_top = teacher.top[:, sl][v]                                      # [N]
-    ids = d2t_target_ids(d2t).to(p_logits.device)
+    ids = d2t_target_ids(d2t).to(p_soft.device)
 
-    p_full_on_draft = torch.exp(p_logits - p_lse[:, None])             # full-vocabulary probabilities
-    p_soft = torch.softmax(p_logits if teacher_temperature == 1.0 else p_logits / teacher_temperature, dim=-1)
     if loss == "ce":
-        ce_sum, q = soft_cross_entropy(q_logits, p_soft)
+        ce_sum, q, q_top = soft_cross_entropy(q_logits, p_soft, with_argmax=True)
     else:
         log_q = torch.log_softmax(q_logits, dim=-1)
         q = log_q.exp()
+        q_top = q_logits.detach().argmax(-1)
         tv_sum = (1.0 - torch.minimum(p_full_on_draft, q).sum(-1)).sum()
         if loss == "lk_hybrid":
             ce_sum = -(p_soft * log_q).sum()
     loss_sum = ce_sum if loss == "ce" else tv_sum if loss == "tv" else 0.5 * (ce_sum + tv_sum)
 
     with torch.no_grad():
-        acc_sum = (ids[q_logits.argmax(-1)] == p_top).sum().float()
+        acc_sum = (ids[q_top] == p_top).sum().float()
         accept_sum = torch.minimum(p_full_on_draft, q.detach()).sum()
     count = torch.tensor(float(q_logits.shape[0]), device=loss_sum.device)
     return {"loss_sum": loss_sum, "acc_sum": acc_sum, "accept_sum": accept_sum, "count": count}
@@ -321,25 +354,34 @@ def eagle3_aligned(
 class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor, p: torch.Tensor):
-        log_q = torch.log_softmax(z, dim=-1)
-        loss = -torch.linalg.vecdot(p, log_q).sum()
-        q = log_q.exp_()
-        ctx.save_for_backward(q, p, p.sum(-1, keepdim=True))
-        ctx.mark_non_differentiable(q)
-        return loss, q
+        # one exp pass: with y = z - max, q = exp(y) / s and -sum p log q = log s * sum p - sum p y per row
+        m, top = z.max(-1, keepdim=True)
+        y = z - m
+        p_y = torch.linalg.vecdot(p, y)
+        q = y.exp_()
+        s = q.sum(-1)
+        q.div_(s.unsqueeze(-1))
+        p_mass = p.sum(-1, keepdim=True)
+        loss = (s.log_() * p_mass.squeeze(-1) - p_y).sum()
+        ctx.save_for_backward(q, p, p_mass)
+        ctx.mark_non_differentiable(q, top)
+        return loss, q, top.squeeze(-1)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor, _g_q: torch.Tensor):
+    def backward(ctx, g: torch.Tensor, _g_q: torch.Tensor, _g_top: torch.Tensor):
         q, p, p_mass = ctx.saved_tensors
         return (q * (p_mass * g)).addcmul_(p, -g), None
 
 
-def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor, with_argmax: bool = False):
     """``(-sum_rows sum_x p(x) log softmax(logits)(x), softmax(logits))`` for ``logits`` and constant target
-    weights ``p`` ``[N, V]``; the softmax is returned detached (for acceptance metrics). Its backward is
+    weights ``p`` ``[N, V]``; the softmax is returned detached (for acceptance metrics), and with
+    ``with_argmax`` also ``argmax(logits)`` ``[N]`` (first maximum, from the same max pass). Forward: one
+    max, one exp and two row reductions over ``[N, V]`` (no log-softmax table); backward:
     ``(softmax(logits) * sum_x p - p) * g`` in one expression, where autograd's log_softmax, product and sum
     build and read three ``[N, V]`` gradients for the same numbers (tests/test_losses.py)."""
-    return _SoftCrossEntropy.apply(logits, p.detach())
+    loss, q, top = _SoftCrossEntropy.apply(logits, p.detach())
+    return (loss, q, top) if with_argmax else (loss, q)
 
 
 def step_weights(n: int, decay: float = 0.8) -> list[float]:

@@ -170,6 +170,69 @@ def test_efficient_ttt_attention_equals_masked_reference(steps):
         assert (no_diag - eff).abs().max() > 1e-3
 
 
+def _ttt_attention_by_autograd(q, k0, v0, kd, vd, mask0):
+    """The reference: scores of the step-0 keys (masked) and of each diagonal key, one softmax, autograd."""
+    B, Hq, Tq, D = q.shape
+    g = Hq // k0.shape[1]
+    rep = lambda x: x.repeat_interleave(g, dim=1)  # noqa: E731
+    s0 = (q @ rep(k0).transpose(-1, -2)) / D ** 0.5
+    s0 = s0.masked_fill(~mask0[:, None], float("-inf"))
+    diag = [((q * rep(kj)).sum(-1, keepdim=True)) / D ** 0.5 for kj in kd]
+    p = torch.cat([s0, *diag], -1).softmax(-1)
+    out = p[..., : k0.shape[2]] @ rep(v0)
+    for j, vj in enumerate(vd):
+        out = out + p[..., k0.shape[2] + j : k0.shape[2] + j + 1] * rep(vj)
+    return out
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_ttt_attention_gradients_equal_autograd_reference(steps):
+    """ttt_attention's own backward gives autograd's gradients for q, the step-0 keys/values and every
+    diagonal key/value (float64), with key padding, two documents in a row and a subset of the positions as
+    queries (the live positions); the additive-bias form gives the same."""
+    from drafttrain.drafters.eagle3 import attention_bias
+
+    g = torch.Generator().manual_seed(10 + steps)
+    B, Hq, Hkv, S, D = 2, 4, 2, 9, 8
+    idx = torch.tensor([[1, 3, 4, 6, 8], [0, 2, 5, 7, 7]])  # the queries' positions (Tq = 5)
+    Tq = idx.shape[1]
+    am = torch.ones(B, S, dtype=torch.long)
+    am[1, 7:] = 0
+    doc = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1], [0] * S])
+    full = torch.ones(S, S, dtype=torch.bool).tril()[None] & am.bool()[:, None] & (doc[:, :, None] == doc[:, None])
+    mask0 = full.gather(1, idx[..., None].expand(-1, -1, S))
+    t = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    q, k0, v0 = t(B, Hq, Tq, D), t(B, Hkv, S, D), t(B, Hkv, S, D)
+    kd = [t(B, Hkv, Tq, D) for _ in range(steps - 1)]
+    vd = [t(B, Hkv, Tq, D) for _ in range(steps - 1)]
+    leaves = [q, k0, v0, *kd, *vd]
+    w = torch.randn(B, Hq, Tq, D, generator=g, dtype=torch.float64)
+    ref = _ttt_attention_by_autograd(q, k0, v0, kd, vd, mask0)
+    ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
+    for m in (mask0, attention_bias(mask0)):
+        out = ttt_attention(q, k0, v0, kd, vd, m)
+        grads = torch.autograd.grad((out * w).sum(), leaves)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_ttt_attention_fully_masked_query_and_low_precision():
+    """A query that sees no key at all (packed padding) gets 0 and finite gradients; bfloat16 inputs run the
+    softmax in float32 and stay close to the float32 result."""
+    g = torch.Generator().manual_seed(3)
+    q, k0, v0 = (torch.randn(1, 2, 4, 8, generator=g, requires_grad=True) for _ in range(3))
+    mask0 = torch.ones(1, 4, 4, dtype=torch.bool).tril()
+    mask0[0, 3] = False
+    out = ttt_attention(q, k0, v0, [], [], mask0)
+    assert out[0, :, 3].abs().max() == 0
+    out.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k0, v0))
+    low = ttt_attention(q.bfloat16(), k0.bfloat16(), v0.bfloat16(), [], [], mask0)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), out.detach(), rtol=0.05, atol=0.05)
+
+
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_ttt_forward_efficient_equals_reference(llama, num_layers):
     d = make_drafter(llama, num_layers=num_layers)

@@ -224,3 +224,57 @@ def test_soft_cross_entropy_equals_autograd(mass):
     torch.testing.assert_close(gz, gz_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(q, torch.softmax(z, -1).detach(), rtol=1e-12, atol=1e-12)
     assert not q.requires_grad
+
+
+def test_soft_cross_entropy_argmax_and_float32_precision():
+    """with_argmax gives argmax(logits) from the same max pass (first maximum on ties), and the one-exp form
+    keeps float32 precision with large logits (a float64 reference, 1e-5 relative)."""
+    from drafttrain.losses import soft_cross_entropy
+
+    g = torch.Generator().manual_seed(5)
+    z = 40 * torch.randn(300, 257, generator=g) + 25
+    z[3, [7, 100]] = z[3].max() + 1.0  # a tie: the first index wins, as argmax's
+    p = torch.softmax(torch.randn(300, 257, generator=g), -1) * 0.9
+    zr = z.double().requires_grad_(True)
+    ref = -(p.double() * torch.log_softmax(zr, -1)).sum()
+    (gz_ref,) = torch.autograd.grad(ref, zr)
+    zz = z.clone().requires_grad_(True)
+    loss, q, top = soft_cross_entropy(zz, p, with_argmax=True)
+    (gz,) = torch.autograd.grad(loss, zz)
+    assert top.tolist() == z.argmax(-1).tolist() and top[3].item() == 7
+    assert not top.requires_grad and not q.requires_grad
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(gz.double(), gz_ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_teacher_probs_table_matches_per_position_formulas(temperature):
+    """The dense teacher's probability table (computed once, read by every TTT step) gives, at each step's
+    positions, the renormalised draft-vocabulary softmax and the full-vocabulary probabilities; the on-demand
+    teacher computes the same per call; and a second read reuses the table."""
+    from drafttrain.losses import teacher_from_hidden, teacher_from_logits
+
+    g = torch.Generator().manual_seed(6)
+    B, T, H, V, Vd = 2, 7, 5, 13, 6
+    d2t, t2d = build_draft_vocab(torch.randint(0, 9, (V,), generator=g), Vd)
+    hidden, w = torch.randn(B, T, H, generator=g), 2 * torch.randn(V, H, generator=g)
+    full = hidden @ w.T
+    ids = torch.arange(Vd) + d2t
+    dense = teacher_from_logits(full, d2t)
+    lazy = teacher_from_hidden(hidden, w, d2t, chunk=4, on_demand=True)
+    valid = torch.rand(B, T - 2, generator=g) > 0.3
+    for step in (0, 1):
+        sl = slice(1 + step, 1 + step + valid.shape[1])
+        v = valid.clone()
+        v[:, valid.shape[1] - step:] = False
+        x = full[:, sl][v]
+        want_soft = torch.softmax(x[:, ids] / temperature, -1)
+        want_full = torch.softmax(x, -1)[:, ids]
+        for teacher in (dense, lazy):
+            p_soft, p_full = teacher.draft_probs(sl, v, temperature)
+            torch.testing.assert_close(p_soft, want_soft, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(p_full, want_full, rtol=1e-5, atol=1e-7)
+    table = dense._probs_cache[float(temperature)][0]
+    dense.draft_probs(slice(1, 6), valid, temperature)
+    assert dense._probs_cache[float(temperature)][0] is table and len(dense._probs_cache) == 1
+    assert lazy._probs_cache == {}

@@ -338,22 +338,98 @@ def ttt_attention(
     The queries may be a subset of the step-0 positions (``q`` ``[B, Hq, Tq, D]``, ``mask0`` ``[B, Tq, S]``
     with the step-0 keys ``[B, Hkv, S, D]``, ``k_diag[j]`` ``[B, Hkv, Tq, D]`` at the queries' own positions):
     the live positions of :meth:`Eagle3Drafter.ttt_forward`.
+
+    One autograd node (:class:`_TTTAttention`) with its own backward: the scores are one batched matmul per
+    key-value head (the query heads of a group stacked as rows), the softmax runs in place over the step-0
+    scores with the diagonal terms beside them (no concatenated ``[Tq, S + steps]`` table and no slices of
+    it in the backward), and only the probabilities are kept for the backward. The softmax runs in float32 (or
+    the inputs' dtype when wider).
     """
-    B, Hq, Tq, D = q.shape
-    Hkv, S = k0.shape[1], k0.shape[2]
-    g = Hq // Hkv
-    qg = (q * (1.0 / math.sqrt(D))).reshape(B, Hkv, g, Tq, D)  # the scale on q: [Tq, D], not [Tq, S]
     bias = mask0 if mask0.is_floating_point() else attention_bias(mask0)
-    s0 = torch.matmul(qg, k0.unsqueeze(2).transpose(-1, -2)).float() + bias  # [B,Hkv,g,Tq,S]
-    if not k_diag:
-        p = s0.softmax(-1).to(v0.dtype)
-        return torch.matmul(p, v0.unsqueeze(2)).reshape(B, Hq, Tq, D)
-    diag = [(qg * kj.unsqueeze(2)).sum(-1, keepdim=True).float() for kj in k_diag]  # [B,Hkv,g,Tq,1]
-    p = torch.cat([s0, *diag], dim=-1).softmax(-1).to(v0.dtype)
-    out = torch.matmul(p[..., :S], v0.unsqueeze(2))
-    for j, vj in enumerate(v_diag):
-        out = out + p[..., S + j : S + j + 1] * vj.unsqueeze(2)
-    return out.reshape(B, Hq, Tq, D)
+    if bias.dim() == 3:
+        bias = bias[:, None, None]
+    return _TTTAttention.apply(q, k0, v0, bias, *k_diag, *v_diag)
+
+
+class _TTTAttention(torch.autograd.Function):
+    """:func:`ttt_attention`'s math. Inputs ``q, k0, v0, bias, *k_diag, *v_diag``. Scores and probabilities
+    are ``[B, Hkv, g*Tq, S]`` (g = Hq / Hkv query heads per key-value head) plus ``[B, Hkv, g*Tq, n]`` for the
+    n diagonal keys."""
+
+    # exp() of arguments below about -87 (float32 underflow) takes a slow path on the CPU: the shifted scores
+    # are clamped here first, and masked keys are then zeroed exactly (a kept key this far below the row's
+    # maximum has probability < 2e-35 either way)
+    _EXP_FLOOR = -80.0
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, bias, *kv):
+        n = len(kv) // 2
+        k_diag, v_diag = kv[:n], kv[n:]
+        B, Hq, Tq, D = q.shape
+        Hkv, S = k0.shape[1], k0.shape[2]
+        g = Hq // Hkv
+        acc = torch.promote_types(q.dtype, torch.float32)             # the softmax's dtype: float32 or wider
+        qs = (q * (1.0 / math.sqrt(D))).reshape(B, Hkv, g * Tq, D)  # the scale on q: [Tq, D], not [Tq, S]
+        s = torch.matmul(qs, k0.transpose(-1, -2)).to(acc)            # [B, Hkv, g*Tq, S]
+        s.view(B, Hkv, g, Tq, S).add_(bias)
+        m = s.amax(-1, keepdim=True)
+        if n:
+            qg = qs.view(B, Hkv, g, Tq, D)
+            d = torch.stack([torch.linalg.vecdot(qg, kj.unsqueeze(2)) for kj in k_diag], -1)
+            d = d.reshape(B, Hkv, g * Tq, n).to(acc)
+            m = torch.maximum(m, d.amax(-1, keepdim=True))
+            pd = d.sub_(m).clamp_(min=_TTTAttention._EXP_FLOOR).exp_()
+        p = s.sub_(m).clamp_(min=_TTTAttention._EXP_FLOOR).exp_()
+        p.view(B, Hkv, g, Tq, S).mul_((bias > _mask_value(torch.float32) / 2).to(p.dtype))
+        z = p.sum(-1, keepdim=True)
+        if n:
+            z = z + pd.sum(-1, keepdim=True)
+        z.clamp_(min=torch.finfo(acc).tiny)  # a query with every key masked (packed padding): p = 0
+        if n:
+            pd.div_(z)
+        p.div_(z)
+        out = torch.matmul(p.to(v0.dtype), v0)                         # [B, Hkv, g*Tq, D]
+        if n:
+            og, pdg = out.view(B, Hkv, g, Tq, D), pd.view(B, Hkv, g, Tq, n).to(v0.dtype)
+            for j, vj in enumerate(v_diag):
+                og.addcmul_(pdg[..., j : j + 1], vj.unsqueeze(2))
+            ctx.save_for_backward(qs, k0, v0, p, pd, *k_diag, *v_diag)
+        else:
+            ctx.save_for_backward(qs, k0, v0, p)
+        ctx.shape = (B, Hq, Tq, D, Hkv, S, g, n)
+        return out.view(B, Hq, Tq, D)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        B, Hq, Tq, D, Hkv, S, g, n = ctx.shape
+        qs, k0, v0, p, *rest = ctx.saved_tensors
+        do = dout.reshape(B, Hkv, g * Tq, D)
+        dp = torch.matmul(do, v0.transpose(-1, -2)).to(p.dtype)        # d loss / d p, [B, Hkv, g*Tq, S]
+        c = torch.linalg.vecdot(p, dp).unsqueeze(-1)                   # sum_k p_k dp_k over all keys
+        if n:
+            pd, k_diag, v_diag = rest[0], rest[1 : 1 + n], rest[1 + n :]
+            dog = do.view(B, Hkv, g, Tq, D)
+            dpd = torch.stack([torch.linalg.vecdot(dog, vj.unsqueeze(2)) for vj in v_diag], -1)
+            dpd = dpd.reshape(B, Hkv, g * Tq, n).to(p.dtype)
+            c = c + torch.linalg.vecdot(pd, dpd).unsqueeze(-1)
+            dd = dpd.sub_(c).mul_(pd)                                  # d loss / d diagonal scores
+        ds = dp.sub_(c).mul_(p).to(qs.dtype)                           # d loss / d step-0 scores
+        dqs = torch.matmul(ds, k0)
+        dk0 = torch.matmul(ds.transpose(-1, -2), qs)
+        dv0 = torch.matmul(p.to(do.dtype).transpose(-1, -2), do)
+        grads = []
+        if n:
+            qg, dqg = qs.view(B, Hkv, g, Tq, D), dqs.view(B, Hkv, g, Tq, D)
+            ddg = dd.view(B, Hkv, g, Tq, n).to(qs.dtype)
+            pdg = pd.view(B, Hkv, g, Tq, n).to(do.dtype)
+            dk = []
+            for j, kj in enumerate(k_diag):
+                dqg.addcmul_(ddg[..., j : j + 1], kj.unsqueeze(2))
+                dk.append((ddg[..., j : j + 1] * qg).sum(2))
+            grads = dk + [(pdg[..., j : j + 1] * dog).sum(2) for j in range(n)]
+        dq = dqs.mul_(1.0 / math.sqrt(D)).view(B, Hq, Tq, D)
+        return (dq, dk0, dv0, None, *grads)
 
 
 def _causal_padding_mask(attention_mask: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
