@@ -306,18 +306,22 @@ def eagle3_step_stats(
     ids = d2t_target_ids(d2t).to(p_soft.device)
 
     if loss == "ce":
-        ce_sum, q, q_top = soft_cross_entropy(q_logits, p_soft, with_argmax=True)
+        ce_sum, q, q_max = soft_cross_entropy(q_logits, p_soft, with_max=True)
     else:
         log_q = torch.log_softmax(q_logits, dim=-1)
         q = log_q.exp()
-        q_top = q_logits.detach().argmax(-1)
+        q_max = q_logits.detach().amax(-1)
         tv_sum = (1.0 - torch.minimum(p_full_on_draft, q).sum(-1)).sum()
         if loss == "lk_hybrid":
             ce_sum = -(p_soft * log_q).sum()
     loss_sum = ce_sum if loss == "ce" else tv_sum if loss == "tv" else 0.5 * (ce_sum + tv_sum)
 
     with torch.no_grad():
-        acc_sum = (ids[q_top] == p_top).sum().float()
+        # the draft's greedy token is the target's argmax: its logit there is the row's largest (valid positions
+        # have the target's argmax in the draft vocabulary; an exact tie for the largest counts as a hit)
+        top_draft = torch.searchsorted(ids, p_top).clamp_(max=ids.numel() - 1)
+        hit = (ids[top_draft] == p_top) & (q_logits.detach().gather(1, top_draft[:, None]).squeeze(1) >= q_max)
+        acc_sum = hit.sum().float()
         accept_sum = torch.minimum(p_full_on_draft, q.detach()).sum()
     count = torch.tensor(float(q_logits.shape[0]), device=loss_sum.device)
     return {"loss_sum": loss_sum, "acc_sum": acc_sum, "accept_sum": accept_sum, "count": count}
@@ -355,33 +359,35 @@ class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor, p: torch.Tensor):
         # one exp pass: with y = z - max, q = exp(y) / s and -sum p log q = log s * sum p - sum p y per row
-        m, top = z.max(-1, keepdim=True)
+        m = z.amax(-1, keepdim=True)
         y = z - m
-        p_y = torch.linalg.vecdot(p, y)
+        p_y = (p * y).sum(-1)  # a product and a sum: faster than linalg.vecdot on the CPU
         q = y.exp_()
         s = q.sum(-1)
         q.div_(s.unsqueeze(-1))
         p_mass = p.sum(-1, keepdim=True)
         loss = (s.log_() * p_mass.squeeze(-1) - p_y).sum()
         ctx.save_for_backward(q, p, p_mass)
-        ctx.mark_non_differentiable(q, top)
-        return loss, q, top.squeeze(-1)
+        m = m.squeeze(-1)
+        ctx.mark_non_differentiable(q, m)
+        return loss, q, m
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor, _g_q: torch.Tensor, _g_top: torch.Tensor):
+    def backward(ctx, g: torch.Tensor, _g_q: torch.Tensor, _g_m: torch.Tensor):
         q, p, p_mass = ctx.saved_tensors
         return (q * (p_mass * g)).addcmul_(p, -g), None
 
 
-def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor, with_argmax: bool = False):
+def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor, with_max: bool = False):
     """``(-sum_rows sum_x p(x) log softmax(logits)(x), softmax(logits))`` for ``logits`` and constant target
-    weights ``p`` ``[N, V]``; the softmax is returned detached (for acceptance metrics), and with
-    ``with_argmax`` also ``argmax(logits)`` ``[N]`` (first maximum, from the same max pass). Forward: one
-    max, one exp and two row reductions over ``[N, V]`` (no log-softmax table); backward:
+    weights ``p`` ``[N, V]``; the softmax is returned detached (for acceptance metrics), and with ``with_max``
+    also each row's largest logit ``[N]`` (detached; whether a token is the draft's greedy choice is
+    ``logits[token] == max``, one gather, where an argmax with indices is a slow pass on the CPU). Forward:
+    one max, one exp and three row reductions over ``[N, V]`` (no log-softmax table); backward:
     ``(softmax(logits) * sum_x p - p) * g`` in one expression, where autograd's log_softmax, product and sum
     build and read three ``[N, V]`` gradients for the same numbers (tests/test_losses.py)."""
-    loss, q, top = _SoftCrossEntropy.apply(logits, p.detach())
-    return (loss, q, top) if with_argmax else (loss, q)
+    loss, q, m = _SoftCrossEntropy.apply(logits, p.detach())
+    return (loss, q, m) if with_max else (loss, q)
 
 
 def step_weights(n: int, decay: float = 0.8) -> list[float]:
