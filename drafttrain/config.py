@@ -220,6 +220,10 @@ class Eagle3Config:
     # contexts a chain reaches at decode time); the step's mean still divides by all its valid positions, so
     # each step's weight follows how often it is reached. 0: off (every valid position at every step)
     align_top_k: int = num(0, ge=0)
+    # also score the positions whose target argmax lies outside the draft vocabulary (speculators' rule; the
+    # teacher there is still the renormalised draft-vocabulary softmax); false: skip them, since no draft token
+    # can match the target's greedy choice there
+    score_oov: bool = False
 
 
 @dataclass

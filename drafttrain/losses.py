@@ -225,10 +225,12 @@ def eagle3_valid_mask(
     t2d: torch.Tensor,
     step: int,
     doc_ids: torch.Tensor | None = None,
+    score_oov: bool = False,
 ) -> torch.Tensor:
     """``[B, T]`` bool: valid iff ``t+2+i < T``, ``attention_mask[t+2+i]`` and ``loss_mask[t+2+i]`` are 1,
-    ``argmax`` of the target at ``t+1+i`` is in the draft vocabulary (``t2d``), and (packed rows) ``t+2+i`` lies
-    in the document of ``t``. ``target``: full logits ``[B, T, V]`` or an :class:`Eagle3Teacher`."""
+    ``argmax`` of the target at ``t+1+i`` is in the draft vocabulary (``t2d``; not required with
+    ``score_oov``), and (packed rows) ``t+2+i`` lies in the document of ``t``. ``target``: full logits
+    ``[B, T, V]`` or an :class:`Eagle3Teacher`."""
     T = int(input_len)
     B = attention_mask.shape[0]
     i = int(step)
@@ -238,10 +240,13 @@ def eagle3_valid_mask(
         return valid
     am = attention_mask[:, 2 + i :].bool()
     lm = loss_mask[:, 2 + i :].bool()
-    top_all = target.top if isinstance(target, Eagle3Teacher) else target.argmax(-1)
-    top = top_all[:, 1 + i : 1 + i + n]  # [B, n]
-    in_vocab = t2d.to(top.device)[top]
-    valid[:, :n] = am & lm & in_vocab.to(valid.device)
+    if score_oov:
+        valid[:, :n] = am & lm
+    else:
+        top_all = target.top if isinstance(target, Eagle3Teacher) else target.argmax(-1)
+        top = top_all[:, 1 + i : 1 + i + n]  # [B, n]
+        in_vocab = t2d.to(top.device)[top]
+        valid[:, :n] = am & lm & in_vocab.to(valid.device)
     return _and_doc(valid, doc_ids, 2 + i)
 
 

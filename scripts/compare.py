@@ -95,6 +95,8 @@ METHODS = {
     # GRIFFIN's token-alignable training: later TTT steps score only the positions earlier steps got right
     "eagle3_align1": ("eagle3", ["eagle3.align_top_k=1"], "EAGLE-3, token alignment: earlier steps' top-1 right"),
     "eagle3_align3": ("eagle3", ["eagle3.align_top_k=3"], "EAGLE-3, token alignment: earlier steps' top-3 right"),
+    "eagle3_oov": ("eagle3", ["eagle3.score_oov=true"],
+                   "EAGLE-3, positions whose target argmax is outside the draft vocabulary scored too"),
 }
 DEFAULT = ["eagle3", "medusa1", "medusa2", "kd", "ce", "pld"]
 

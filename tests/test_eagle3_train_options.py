@@ -5,8 +5,9 @@
 - ``eagle3.teacher_temperature``: the soft CE's teacher is ``softmax(logits / t)`` (by hand in
   tests/test_losses.py); here: the method passes it through.
 - ``eagle3.freeze_lm_head``: the draft lm_head stays the target's rows (no gradient, not optimised).
+- ``eagle3.score_oov``: positions whose target argmax is outside the draft vocabulary are scored too.
 
-A drafter trained with both still decodes exactly (greedy == AR)."""
+A drafter trained with all of them still decodes exactly (greedy == AR)."""
 from __future__ import annotations
 
 import pytest
@@ -44,9 +45,10 @@ def test_noise_is_bounded_by_each_taps_rms_and_off_at_zero():
     torch.testing.assert_close(again, out)  # reproducible from the generator
 
 
-def _method(noise, teacher_temperature=1.0, freeze_lm_head=False):
+def _method(noise, teacher_temperature=1.0, freeze_lm_head=False, score_oov=False):
     return Eagle3Method(_cfg("Eagle3Config", ttt_steps=3, draft_vocab_size=30, feature_noise=noise,
-                             teacher_temperature=teacher_temperature, freeze_lm_head=freeze_lm_head),
+                             teacher_temperature=teacher_temperature, freeze_lm_head=freeze_lm_head,
+                             score_oov=score_oov),
                         _Tok(), _target())
 
 
@@ -120,11 +122,30 @@ def test_frozen_lm_head_is_the_targets_rows_and_gets_no_gradient():
     assert "lm_head.weight" in {n for n, p in plain.build_drafter(t, ex, "tiny").named_parameters() if p.requires_grad}
 
 
+def test_score_oov_adds_exactly_the_out_of_vocabulary_positions():
+    t = _target()
+    ex = _examples(4, seed=3)
+    b = collate(ex, 0)
+    plain, oov = _method(0.0), _method(0.0, score_oov=True)
+    torch.manual_seed(0)
+    d = plain.build_drafter(t, ex, "tiny")
+    cap = plain.capture(t, b)
+    for i, (mp, mo) in enumerate(zip(plain.valid_masks(d, b, cap), oov.valid_masks(d, b, cap))):
+        T = mp.shape[1]
+        top = cap.teacher.top[:, 1 + i:]
+        in_vocab = torch.zeros_like(mp)
+        in_vocab[:, :T - 1 - i] = d.t2d[top]
+        assert torch.equal(mp, mo & in_vocab) and bool((mo & ~in_vocab).any())  # the draft vocabulary is 30 of V
+    sp = plain.loss(d, d, b, cap, plain.count_valid(d, b, cap), 1.0)[1]
+    so = oov.loss(d, d, b, cap, oov.count_valid(d, b, cap), 1.0)[1]
+    assert so["count_0"] > sp["count_0"] and torch.equal(so["acc_sum_0"], sp["acc_sum_0"])  # no hit is possible there
+
+
 def test_greedy_equals_ar_after_training_with_the_options():
     t = _target()
     ex = _examples(6, seed=4)
     b = collate(ex, 0)
-    m = _method(0.3, teacher_temperature=0.5, freeze_lm_head=True)
+    m = _method(0.3, teacher_temperature=0.5, freeze_lm_head=True, score_oov=True)
     torch.manual_seed(0)
     d = m.build_drafter(t, ex, "tiny")
     head = d.lm_head.weight.clone()

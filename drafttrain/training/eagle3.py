@@ -110,6 +110,7 @@ class Eagle3Method(MethodDefaults):
         self.feature_noise = float(getattr(cfg, "feature_noise", 0.0))
         self.teacher_temperature = float(getattr(cfg, "teacher_temperature", 1.0))
         self.align_top_k = int(getattr(cfg, "align_top_k", 0))
+        self.score_oov = bool(getattr(cfg, "score_oov", False))
 
     def build_drafter(self, target_model, examples, target_name: str) -> Eagle3Drafter:
         V = target_model.get_output_embeddings().weight.shape[0]
@@ -185,7 +186,7 @@ class Eagle3Method(MethodDefaults):
         T = batch["input_ids"].shape[1]
         return [
             eagle3_valid_mask(T, batch["attention_mask"], batch["loss_mask"], cap.teacher, drafter.t2d, i,
-                              doc_ids=batch.get("doc_ids"))
+                              doc_ids=batch.get("doc_ids"), score_oov=self.score_oov)
             for i in range(self.ttt_steps)
         ]
 
