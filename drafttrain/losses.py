@@ -133,6 +133,11 @@ class Eagle3Teacher:
             return p, p * second[:, sl][valid].unsqueeze(-1)
         return p, second[:, sl][valid]
 
+    def release_probs(self) -> None:
+        """Drop :meth:`draft_probs`' tables (a micro-batch's loss is done with them; the captures of every
+        micro-batch of a step live until the step ends)."""
+        self._probs_cache.clear()
+
     @staticmethod
     def _probs(x: torch.Tensor, lse: torch.Tensor, temperature: float, factored: bool = False):
         if temperature == 1.0:

@@ -141,6 +141,24 @@ def test_score_oov_adds_exactly_the_out_of_vocabulary_positions():
     assert so["count_0"] > sp["count_0"] and torch.equal(so["acc_sum_0"], sp["acc_sum_0"])  # no hit is possible there
 
 
+def test_loss_releases_the_teacher_probability_table():
+    """The dense teacher's probability table (read by every TTT step) is dropped when the micro-batch's loss is
+    done: every micro-batch's capture lives until the optimizer step ends, the table need not. With
+    checkpoint_head under grad the backward reads the teacher again, so it stays until then."""
+    t = _target()
+    ex = _examples(4, seed=3)
+    b = collate(ex, 0)
+    m = _method(0.0)
+    d = m.build_drafter(t, ex, "tiny")
+    cap = m.capture(t, b)
+    m.loss(d, d, b, cap, m.count_valid(d, b, cap), 1.0)
+    assert cap.teacher._probs_cache == {}
+    m.checkpoint_head = True
+    loss, _ = m.loss(d, d, b, cap, m.count_valid(d, b, cap), 1.0)
+    assert len(cap.teacher._probs_cache) == 1
+    loss.backward()
+
+
 def test_greedy_equals_ar_after_training_with_the_options():
     t = _target()
     ex = _examples(6, seed=4)

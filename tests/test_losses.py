@@ -277,3 +277,5 @@ def test_teacher_probs_table_matches_per_position_formulas(temperature):
     dense.draft_probs(slice(1, 6), valid, temperature)
     assert dense._probs_cache[float(temperature)][0] is table and len(dense._probs_cache) == 1
     assert lazy._probs_cache == {}
+    dense.release_probs()
+    assert dense._probs_cache == {}

@@ -220,6 +220,8 @@ class Eagle3Method(MethodDefaults):
                          batch["attention_mask"], d, position_ids=batch.get("position_ids"),
                          doc_ids=batch.get("doc_ids"), step_loss=step_loss, checkpoint_head=self.checkpoint_head,
                          valid=masks)
+        if not (self.checkpoint_head and torch.is_grad_enabled()):  # (its backward reads the teacher again)
+            cap.teacher.release_probs()  # the backward keeps its own rows; the table would live to the step's end
         sums, stats = [], {}
         for i in range(self.ttt_steps):  # steps the curriculum has not reached yet: zeros (same keys every step)
             s = per_step[i] if i < d else None
