@@ -148,6 +148,26 @@ def test_kill_9_during_training_then_resume_is_identical(tmp_path, tiny_builtin_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+def test_a_run_that_builds_the_target_trains_what_a_cached_run_trains(tmp_path, tiny_builtin_target):
+    """The first run on a machine builds the built-in target (and regenerates the data) inside the job; it must
+    train the same drafter as every later run, which finds both cached (or resuming its checkpoints would not
+    continue it)."""
+    env = {**os.environ, "DRAFTTRAIN_CACHE": str(tmp_path / "cache")}  # empty: the first run builds a target
+    args = [*(o for o in RUN if not o.startswith("target.builtin.")), "target.builtin.steps=3",
+            "target.builtin.max_files=20", "train.max_steps=2"]
+    finals = []
+    for name in ("builds", "cached"):
+        r = subprocess.run([sys.executable, str(REPO / "train.py"), "recipe=eagle3", *args,
+                            f"hydra.run.dir={tmp_path / name}"], capture_output=True, text=True, timeout=300,
+                           cwd=REPO, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert ("building the built-in target" in r.stdout + r.stderr) == (name == "builds")
+        finals.append(load_file(tmp_path / name / "final" / "model.safetensors"))
+    a, b = finals
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 # ---------------------------------------------------------------- atomic writes
 def test_atomic_file_write_never_leaves_a_partial_file(tmp_path):
     target = tmp_path / "report.json"

@@ -53,7 +53,10 @@ def test_builtin_target_is_a_real_causal_lm(tiny_builtin_target):
 @pytest.mark.slow
 def test_builtin_build_is_deterministic(tmp_path, tiny_builtin_target):
     spec = BuiltinSpec(**{**TINY_BUILTIN, "steps": 3})
+    torch.manual_seed(spec.seed + 1)  # a state of the caller's own (the build seeds from spec.seed)
+    before = torch.get_rng_state()
     build_builtin_target(tmp_path / "a", spec, quiet=True)
+    assert torch.equal(torch.get_rng_state(), before)  # seeded by the spec; the caller's random state is left alone
     build_builtin_target(tmp_path / "b", spec, quiet=True)
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "a").state_dict()
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "b").state_dict()

@@ -233,6 +233,13 @@ def _model_config(spec: BuiltinSpec, tokenizer):
 
 
 def build_builtin_target(out_dir: Path, spec: BuiltinSpec, quiet: bool = False) -> dict:
+    """Build the target of ``spec`` into ``out_dir``, seeded by the spec; the caller's torch random state is
+    restored afterwards (a job that builds the target draws nothing from its own RNG)."""
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):  # manual_seed seeds every device
+        return _build_builtin_target(out_dir, spec, quiet)
+
+
+def _build_builtin_target(out_dir: Path, spec: BuiltinSpec, quiet: bool) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     t0 = time.time()

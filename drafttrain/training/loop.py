@@ -181,7 +181,13 @@ def _load_data(run: Run) -> None:
 
 
 def _build_drafter(run: Run) -> None:
+    from accelerate.utils import set_seed
+
     job, tc = run.job, run.job.train
+    # the drafter's initialisation depends on train.seed alone, not on what loading the target and the data drew
+    # from the random state (a run that builds the built-in target or a target with missing weights draws; one
+    # that finds it cached does not), so a resumed or repeated run trains the same drafter
+    set_seed(tc.seed)
     run.method = make_method(job, run.tokenizer, run.model)
     if run.store is not None:
         check_store(run.store, run.method, job)
