@@ -184,9 +184,9 @@ def _build_drafter(run: Run) -> None:
     from accelerate.utils import set_seed
 
     job, tc = run.job, run.job.train
-    # the drafter's initialisation depends on train.seed alone, not on what loading the target and the data drew
-    # from the random state (a run that builds the built-in target or a target with missing weights draws; one
-    # that finds it cached does not), so a resumed or repeated run trains the same drafter
+    # the drafter's initialisation depends on train.seed alone, not on whatever loading the target and the data
+    # drew from the random state, so a first run (which may build or regenerate them) and a later one that finds
+    # them cached train the same drafter
     set_seed(tc.seed)
     run.method = make_method(job, run.tokenizer, run.model)
     if run.store is not None:
