@@ -186,6 +186,10 @@ class Eagle3Config:
     # the soft cross-entropy's teacher is softmax(target logits / teacher_temperature): < 1 sharpens it towards
     # the argmax that greedy decoding accepts (1: the target's own distribution)
     teacher_temperature: float = num(1.0, gt=0, le=10)
+    # HASS's harmonized objective distillation: topk_weight x the soft CE's terms of the teacher's top-k tokens
+    # added to the loss (0: off)
+    topk_distill: int = num(0, ge=0)
+    topk_distill_weight: float = num(1.0, ge=0)
     # ce (soft cross-entropy, EAGLE-3's) | tv (total variation = 1 - acceptance) | lk_hybrid
     loss: str = one_of("ce", *EAGLE3_LOSSES)
     # teacher over the draft vocabulary only (lm_head rows by d2t) + the full log-normaliser and argmax in

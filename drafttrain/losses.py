@@ -264,6 +264,8 @@ def eagle3_step_stats(
     step: int,
     loss: str = "ce",
     teacher_temperature: float = 1.0,
+    topk: int = 0,
+    topk_weight: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """Sums over the valid positions of one TTT step.
 
@@ -275,6 +277,9 @@ def eagle3_step_stats(
       ``lk_hybrid``: ``(ce + tv) / 2`` (CE's dense gradient early, TV's acceptance objective);
       ``teacher_temperature`` ``t``: the cross-entropy's teacher is ``softmax(logits / t)`` (``t < 1``
       sharpens it towards the argmax greedy decoding accepts; TV keeps the full-vocabulary teacher);
+      ``topk`` K > 0 adds HASS's harmonized objective distillation (arXiv 2408.15766), ``topk_weight`` times
+      ``-sum_{x in TopK(p)} p(x) log q(x)``: the soft CE's terms of the teacher's K most likely tokens once more,
+      so the ranking at the top, what a greedy or top-k draft proposes, weighs more;
     - ``acc_sum``: draft argmax (mapped through ``d2t``) == full-vocabulary teacher argmax;
     - ``accept_sum``: ``sum_x min(p_full(x), q(x))``: the T=1 acceptance probability;
     - ``count``: number of valid positions.
@@ -287,6 +292,8 @@ def eagle3_step_stats(
         raise ValueError(f"unknown EAGLE-3 loss {loss!r}; expected one of {EAGLE3_LOSSES}")
     if not teacher_temperature > 0:
         raise ValueError(f"teacher_temperature must be > 0, got {teacher_temperature}")
+    if int(topk) < 0 or not topk_weight >= 0:
+        raise ValueError(f"topk must be >= 0 and topk_weight >= 0, got {topk} and {topk_weight}")
     rows = draft_logits.dim() == 2
     B, T = valid.shape if rows else draft_logits.shape[:2]
     i = int(step)
@@ -325,6 +332,10 @@ def eagle3_step_stats(
         if loss == "lk_hybrid":
             ce_sum = -(p_soft * log_q).sum()
     loss_sum = ce_sum if loss == "ce" else tv_sum if loss == "tv" else 0.5 * (ce_sum + tv_sum)
+    if topk > 0 and topk_weight > 0 and q_logits.shape[0] > 0:
+        p_k, idx = p_soft.topk(min(int(topk), p_soft.shape[-1]), dim=-1)  # [N, K] (constants)
+        log_q_k = q_logits.gather(1, idx) - torch.logsumexp(q_logits, dim=-1, keepdim=True)
+        loss_sum = loss_sum - topk_weight * (p_k * log_q_k).sum()
 
     with torch.no_grad():
         # the draft's greedy token is the target's argmax: its logit there is the row's largest (valid positions

@@ -98,6 +98,10 @@ METHODS = {
     # GRIFFIN's token-alignable training: later TTT steps score only the positions earlier steps got right
     "eagle3_align1": ("eagle3", ["eagle3.align_top_k=1"], "EAGLE-3, token alignment: earlier steps' top-1 right"),
     "eagle3_align3": ("eagle3", ["eagle3.align_top_k=3"], "EAGLE-3, token alignment: earlier steps' top-3 right"),
+    "eagle3_hod10": ("eagle3", ["eagle3.topk_distill=10"],
+                     "EAGLE-3, HASS top-10 distillation added (weight 1)"),
+    "eagle3_hod1": ("eagle3", ["eagle3.topk_distill=1"],
+                    "EAGLE-3, HASS top-1 distillation added (weight 1): p(argmax) x CE on the argmax"),
     "eagle3_oov": ("eagle3", ["eagle3.score_oov=true"],
                    "EAGLE-3, positions whose target argmax is outside the draft vocabulary scored too"),
 }

@@ -45,10 +45,10 @@ def test_noise_is_bounded_by_each_taps_rms_and_off_at_zero():
     torch.testing.assert_close(again, out)  # reproducible from the generator
 
 
-def _method(noise, teacher_temperature=1.0, freeze_lm_head=False, score_oov=False):
+def _method(noise, teacher_temperature=1.0, freeze_lm_head=False, score_oov=False, topk_distill=0):
     return Eagle3Method(_cfg("Eagle3Config", ttt_steps=3, draft_vocab_size=30, feature_noise=noise,
                              teacher_temperature=teacher_temperature, freeze_lm_head=freeze_lm_head,
-                             score_oov=score_oov),
+                             score_oov=score_oov, topk_distill=topk_distill),
                         _Tok(), _target())
 
 
@@ -103,6 +103,25 @@ def test_teacher_temperature_reaches_the_loss():
         _, sa = plain.loss(d, d, b, cap, plain.count_valid(d, b, cap), 1.0)
         _, sc = cold.loss(d, d, b, cap, cold.count_valid(d, b, cap), 1.0)
     assert all(torch.equal(sa[k], sc[k]) for k in sa if not k.startswith("loss_sum"))  # acc / accept: the target's
+
+
+def test_topk_distillation_reaches_the_loss():
+    t = _target()
+    ex = _examples(4, seed=3)
+    b = collate(ex, 0)
+    plain, hod = _method(0.0), _method(0.0, topk_distill=3)
+    torch.manual_seed(0)
+    d = plain.build_drafter(t, ex, "tiny")
+    hod.d2t = plain.d2t
+    a, ga = _fc_grad(plain, d, t, b)
+    h, gh = _fc_grad(hod, d, t, b)
+    assert h > a  # the extra term is a positive sum of -p log q
+    assert (ga - gh).norm() > 0.05 * ga.norm()
+    with torch.no_grad():
+        cap = plain.capture(t, b)
+        _, sa = plain.loss(d, d, b, cap, plain.count_valid(d, b, cap), 1.0)
+        _, sh = hod.loss(d, d, b, cap, hod.count_valid(d, b, cap), 1.0)
+    assert all(torch.equal(sa[k], sh[k]) for k in sa if not k.startswith("loss_sum"))
 
 
 def test_frozen_lm_head_is_the_targets_rows_and_gets_no_gradient():
@@ -163,7 +182,7 @@ def test_greedy_equals_ar_after_training_with_the_options():
     t = _target()
     ex = _examples(6, seed=4)
     b = collate(ex, 0)
-    m = _method(0.3, teacher_temperature=0.5, freeze_lm_head=True, score_oov=True)
+    m = _method(0.3, teacher_temperature=0.5, freeze_lm_head=True, score_oov=True, topk_distill=3)
     torch.manual_seed(0)
     d = m.build_drafter(t, ex, "tiny")
     head = d.lm_head.weight.clone()

@@ -67,6 +67,36 @@ def test_teacher_temperature_by_hand(t):
         eagle3_step_stats(draft, target, valid, D2T, T2D, 0, teacher_temperature=0.0)
 
 
+@pytest.mark.parametrize("k,w", [(1, 1.0), (2, 0.5), (3, 2.0)])
+def test_topk_distillation_by_hand(k, w):
+    # HASS's term: w x -sum over the teacher's top-k draft tokens of p(x) log q(x), added to the soft CE
+    target = torch.tensor([[[9.0, 9.0, 9.0, 9.0], [2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 1.0, 2.0], [5.0] * 4]])
+    draft = torch.tensor([[[0.3, -0.2, 1.0], [1.0, 2.0, 3.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]],
+                         requires_grad=True)
+    valid = torch.tensor([[True, False, False, False]])
+    st = eagle3_step_stats(draft, target, valid, D2T, T2D, 0, topk=k, topk_weight=w)
+    base = eagle3_step_stats(draft, target, valid, D2T, T2D, 0)
+    p = _softmax([2.0, 0.5, -1.0])  # draft ids 0, 1, 2 = target ids 0, 2, 3; ranked 0 > 1 > 2
+    logq = [x - math.log(sum(math.exp(y) for y in [0.3, -0.2, 1.0])) for x in [0.3, -0.2, 1.0]]
+    soft = -sum(pi * li for pi, li in zip(p, logq))
+    extra = -sum(p[j] * logq[j] for j in range(k))
+    assert st["loss_sum"].item() == pytest.approx(soft + w * extra, rel=1e-6)
+    assert base["loss_sum"].item() == pytest.approx(soft, rel=1e-6)
+    for key in ("acc_sum", "accept_sum", "count"):
+        assert st[key].item() == pytest.approx(base[key].item(), rel=1e-7)
+    # the gradient is the soft CE's plus w x the top-k term's: d/dz [-sum_j p_j log q_j] = (sum_j p_j) q - p_topk
+    (g,) = torch.autograd.grad(st["loss_sum"], draft)
+    q = torch.softmax(draft[0, 0].detach().double(), -1)
+    pt = torch.tensor(p, dtype=torch.double)
+    top = torch.zeros(3, dtype=torch.double)
+    top[:k] = pt[:k]
+    want = (q - pt) + w * (top.sum() * q - top)
+    torch.testing.assert_close(g[0, 0].double(), want, rtol=1e-5, atol=1e-6)
+    assert float(g[0, 1:].abs().sum()) == 0.0
+    with pytest.raises(ValueError, match="topk"):
+        eagle3_step_stats(draft, target, valid, D2T, T2D, 0, topk=-1)
+
+
 def test_accept_sum_is_one_minus_tvd_and_acc():
     g = torch.Generator().manual_seed(0)
     B, T, V, Vd = 2, 6, 12, 5

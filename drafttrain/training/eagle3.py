@@ -109,6 +109,8 @@ class Eagle3Method(MethodDefaults):
         self.recompute_teacher = bool(cfg.recompute_teacher)
         self.feature_noise = float(getattr(cfg, "feature_noise", 0.0))
         self.teacher_temperature = float(getattr(cfg, "teacher_temperature", 1.0))
+        self.topk_distill = int(getattr(cfg, "topk_distill", 0))
+        self.topk_distill_weight = float(getattr(cfg, "topk_distill_weight", 1.0))
         self.align_top_k = int(getattr(cfg, "align_top_k", 0))
         self.score_oov = bool(getattr(cfg, "score_oov", False))
 
@@ -210,7 +212,8 @@ class Eagle3Method(MethodDefaults):
             if align is not None:
                 align.update(i, logits, mask)
             return eagle3_step_stats(logits, cap.teacher, mask, drafter.d2t, drafter.t2d, i,
-                                     loss=self.loss_kind, teacher_temperature=self.teacher_temperature)
+                                     loss=self.loss_kind, teacher_temperature=self.teacher_temperature,
+                                     topk=self.topk_distill, topk_weight=self.topk_distill_weight)
 
         d = self.depth
         taps = cap.taps.to(next(drafter.parameters()).dtype)
