@@ -190,6 +190,9 @@ class Eagle3Config:
     # added to the loss (0: off)
     topk_distill: int = num(0, ge=0)
     topk_distill_weight: float = num(1.0, ge=0)
+    # score every real position of a conversation (prompt, template and answer tokens: the target's distribution
+    # is defined at each), not only the answer's (the data's loss_mask)
+    score_prompt: bool = False
     # ce (soft cross-entropy, EAGLE-3's) | tv (total variation = 1 - acceptance) | lk_hybrid
     loss: str = one_of("ce", *EAGLE3_LOSSES)
     # teacher over the draft vocabulary only (lm_head rows by d2t) + the full log-normaliser and argmax in

@@ -102,6 +102,8 @@ METHODS = {
                      "EAGLE-3, HASS top-10 distillation added (weight 1)"),
     "eagle3_hod1": ("eagle3", ["eagle3.topk_distill=1"],
                     "EAGLE-3, HASS top-1 distillation added (weight 1): p(argmax) x CE on the argmax"),
+    "eagle3_prompt": ("eagle3", ["eagle3.score_prompt=true"],
+                      "EAGLE-3, every position scored (prompt and template too; recipe: answers only)"),
     "eagle3_oov": ("eagle3", ["eagle3.score_oov=true"],
                    "EAGLE-3, positions whose target argmax is outside the draft vocabulary scored too"),
 }

@@ -45,10 +45,11 @@ def test_noise_is_bounded_by_each_taps_rms_and_off_at_zero():
     torch.testing.assert_close(again, out)  # reproducible from the generator
 
 
-def _method(noise, teacher_temperature=1.0, freeze_lm_head=False, score_oov=False, topk_distill=0):
+def _method(noise, teacher_temperature=1.0, freeze_lm_head=False, score_oov=False, topk_distill=0,
+            score_prompt=False):
     return Eagle3Method(_cfg("Eagle3Config", ttt_steps=3, draft_vocab_size=30, feature_noise=noise,
                              teacher_temperature=teacher_temperature, freeze_lm_head=freeze_lm_head,
-                             score_oov=score_oov, topk_distill=topk_distill),
+                             score_oov=score_oov, topk_distill=topk_distill, score_prompt=score_prompt),
                         _Tok(), _target())
 
 
@@ -158,6 +159,28 @@ def test_score_oov_adds_exactly_the_out_of_vocabulary_positions():
     sp = plain.loss(d, d, b, cap, plain.count_valid(d, b, cap), 1.0)[1]
     so = oov.loss(d, d, b, cap, oov.count_valid(d, b, cap), 1.0)[1]
     assert so["count_0"] > sp["count_0"] and torch.equal(so["acc_sum_0"], sp["acc_sum_0"])  # no hit is possible there
+
+
+def test_score_prompt_scores_every_real_position_the_teacher_allows():
+    t = _target()
+    ex = _examples(4, seed=3)
+    b = collate(ex, 0)
+    plain, every = _method(0.0), _method(0.0, score_prompt=True)
+    torch.manual_seed(0)
+    d = plain.build_drafter(t, ex, "tiny")
+    cap = plain.capture(t, b)
+    am = b["attention_mask"]
+    assert bool((b["loss_mask"] < am).any())  # the rows have prompt tokens
+    for i, (mp, me) in enumerate(zip(plain.valid_masks(d, b, cap), every.valid_masks(d, b, cap))):
+        T = mp.shape[1]
+        top = cap.teacher.top[:, 1 + i:]
+        want = torch.zeros_like(mp)
+        want[:, :T - 2 - i] = am[:, 2 + i:].bool() & d.t2d[top[:, :T - 2 - i]]
+        assert torch.equal(me, want)
+        assert not bool((mp & ~me).any()) and int(me.sum()) > int(mp.sum())  # the answers' positions and more
+    sp = plain.loss(d, d, b, cap, plain.count_valid(d, b, cap), 1.0)[1]
+    se = every.loss(d, d, b, cap, every.count_valid(d, b, cap), 1.0)[1]
+    assert se["count_0"] > sp["count_0"]
 
 
 def test_loss_releases_the_teacher_probability_table():

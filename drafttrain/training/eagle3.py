@@ -113,6 +113,7 @@ class Eagle3Method(MethodDefaults):
         self.topk_distill_weight = float(getattr(cfg, "topk_distill_weight", 1.0))
         self.align_top_k = int(getattr(cfg, "align_top_k", 0))
         self.score_oov = bool(getattr(cfg, "score_oov", False))
+        self.score_prompt = bool(getattr(cfg, "score_prompt", False))
 
     def build_drafter(self, target_model, examples, target_name: str) -> Eagle3Drafter:
         V = target_model.get_output_embeddings().weight.shape[0]
@@ -186,8 +187,9 @@ class Eagle3Method(MethodDefaults):
 
     def valid_masks(self, drafter, batch, cap: Capture) -> list[torch.Tensor]:
         T = batch["input_ids"].shape[1]
+        scored = batch["attention_mask"] if self.score_prompt else batch["loss_mask"]
         return [
-            eagle3_valid_mask(T, batch["attention_mask"], batch["loss_mask"], cap.teacher, drafter.t2d, i,
+            eagle3_valid_mask(T, batch["attention_mask"], scored, cap.teacher, drafter.t2d, i,
                               doc_ids=batch.get("doc_ids"), score_oov=self.score_oov)
             for i in range(self.ttt_steps)
         ]
