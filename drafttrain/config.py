@@ -193,6 +193,10 @@ class Eagle3Config:
     # score every real position of a conversation (prompt, template and answer tokens: the target's distribution
     # is defined at each), not only the answer's (the data's loss_mask)
     score_prompt: bool = False
+    # EAGLE-1's feature regression as an auxiliary: this weight x the mean squared difference between drafting
+    # step i's output hidden state at t (what step i+1 reads) and the fused target features fc(taps) at t+1+i,
+    # the ones it stands in for (0: off)
+    feature_loss_weight: float = num(0.0, ge=0)
     # ce (soft cross-entropy, EAGLE-3's) | tv (total variation = 1 - acceptance) | lk_hybrid
     loss: str = one_of("ce", *EAGLE3_LOSSES)
     # teacher over the draft vocabulary only (lm_head rows by d2t) + the full log-normaliser and argmax in

@@ -36,7 +36,7 @@ import torch
 from .data.vocab import d2t_target_ids
 
 __all__ = ["eagle3_valid_mask", "eagle3_step_stats", "eagle3_aligned", "combine_step_losses", "step_weights",
-           "same_document", "Eagle3Teacher", "teacher_from_logits", "teacher_from_hidden", "EAGLE3_LOSSES",
+           "same_document", "feature_regression_sum", "Eagle3Teacher", "teacher_from_logits", "teacher_from_hidden", "EAGLE3_LOSSES",
            "soft_cross_entropy"]
 
 # EAGLE-3 step losses: soft cross-entropy to the renormalised teacher on the draft vocabulary (EAGLE-3's
@@ -346,6 +346,15 @@ def eagle3_step_stats(
         accept_sum = torch.minimum(p_full_on_draft, q.detach()).sum()
     count = torch.tensor(float(q_logits.shape[0]), device=loss_sum.device)
     return {"loss_sum": loss_sum, "acc_sum": acc_sum, "accept_sum": accept_sum, "count": count}
+
+
+def feature_regression_sum(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Sum over rows of the mean squared difference ``[N, H]`` -> scalar (``target`` a constant): EAGLE-1's
+    feature regression as an EAGLE-3 auxiliary (``eagle3.feature_loss_weight``): drafting step i's output hidden
+    state at t, the one step i+1 reads, against the fused target features at t+1+i that it stands in for."""
+    if pred.shape != target.shape:
+        raise ValueError(f"feature regression: prediction {tuple(pred.shape)} vs target {tuple(target.shape)}")
+    return (pred.float() - target.detach().float()).pow(2).mean(-1).sum()
 
 
 @torch.no_grad()

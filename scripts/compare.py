@@ -104,6 +104,10 @@ METHODS = {
                     "EAGLE-3, HASS top-1 distillation added (weight 1): p(argmax) x CE on the argmax"),
     "eagle3_prompt": ("eagle3", ["eagle3.score_prompt=true"],
                       "EAGLE-3, every position scored (prompt and template too; recipe: answers only)"),
+    "eagle3_feat1": ("eagle3", ["eagle3.feature_loss_weight=1"],
+                     "EAGLE-3, feature regression auxiliary (weight 1): step output vs the next fused features"),
+    "eagle3_feat01": ("eagle3", ["eagle3.feature_loss_weight=0.1"],
+                      "EAGLE-3, feature regression auxiliary (weight 0.1)"),
     "eagle3_oov": ("eagle3", ["eagle3.score_oov=true"],
                    "EAGLE-3, positions whose target argmax is outside the draft vocabulary scored too"),
 }

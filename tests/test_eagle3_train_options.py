@@ -6,6 +6,9 @@
   tests/test_losses.py); here: the method passes it through.
 - ``eagle3.freeze_lm_head``: the draft lm_head stays the target's rows (no gradient, not optimised).
 - ``eagle3.score_oov``: positions whose target argmax is outside the draft vocabulary are scored too.
+- ``eagle3.topk_distill``: HASS's top-k term reaches the loss (by hand in tests/test_losses.py).
+- ``eagle3.score_prompt``: every real position is scored, not only the answers'.
+- ``eagle3.feature_loss_weight``: each step's output hidden state against the fused features it stands in for.
 
 A drafter trained with all of them still decodes exactly (greedy == AR)."""
 from __future__ import annotations
@@ -46,10 +49,11 @@ def test_noise_is_bounded_by_each_taps_rms_and_off_at_zero():
 
 
 def _method(noise, teacher_temperature=1.0, freeze_lm_head=False, score_oov=False, topk_distill=0,
-            score_prompt=False):
+            score_prompt=False, feature_loss_weight=0.0):
     return Eagle3Method(_cfg("Eagle3Config", ttt_steps=3, draft_vocab_size=30, feature_noise=noise,
                              teacher_temperature=teacher_temperature, freeze_lm_head=freeze_lm_head,
-                             score_oov=score_oov, topk_distill=topk_distill, score_prompt=score_prompt),
+                             score_oov=score_oov, topk_distill=topk_distill, score_prompt=score_prompt,
+                             feature_loss_weight=feature_loss_weight),
                         _Tok(), _target())
 
 
@@ -183,6 +187,33 @@ def test_score_prompt_scores_every_real_position_the_teacher_allows():
     assert se["count_0"] > sp["count_0"]
 
 
+def test_feature_loss_is_each_steps_output_against_the_next_fused_features():
+    t = _target()
+    ex = _examples(4, seed=3)
+    b = collate(ex, 0)
+    w = 0.5
+    plain, feat = _method(0.0), _method(0.0, feature_loss_weight=w)
+    torch.manual_seed(0)
+    d = plain.build_drafter(t, ex, "tiny")
+    feat.d2t = plain.d2t
+    cap = plain.capture(t, b)
+    counts = plain.count_valid(d, b, cap)
+    a = plain.loss(d, d, b, cap, counts, 1.0)[0]
+    f = feat.loss(d, d, b, cap, counts, 1.0)[0]
+    with torch.no_grad():  # the reference: the plain unroll's per-step output hidden states, over [B, T]
+        _, hidden = d.ttt_forward(b["input_ids"], cap.taps, b["attention_mask"], 3, return_hidden=True)
+        fused = d.fuse(cap.taps)
+    extra = 0.0
+    for i, m in enumerate(plain.valid_masks(d, b, cap)):
+        n = m.shape[1] - 1 - i
+        diff = hidden[i][:, :n][m[:, :n]] - fused[:, 1 + i:][m[:, :n]]  # index t against the features at t+1+i
+        extra += plain.weights[i] * w * float(diff.pow(2).mean(-1).sum()) / float(counts[i])
+    assert extra > 1e-3
+    assert float((f - a).detach()) == pytest.approx(extra, rel=1e-4)
+    f.backward()
+    assert d.fc.weight.grad is not None and float(d.fc.weight.grad.abs().sum()) > 0
+
+
 def test_loss_releases_the_teacher_probability_table():
     """The dense teacher's probability table (read by every TTT step) is dropped when the micro-batch's loss is
     done: every micro-batch's capture lives until the optimizer step ends, the table need not. With
@@ -205,7 +236,8 @@ def test_greedy_equals_ar_after_training_with_the_options():
     t = _target()
     ex = _examples(6, seed=4)
     b = collate(ex, 0)
-    m = _method(0.3, teacher_temperature=0.5, freeze_lm_head=True, score_oov=True, topk_distill=3)
+    m = _method(0.3, teacher_temperature=0.5, freeze_lm_head=True, score_oov=True, topk_distill=3,
+                score_prompt=True, feature_loss_weight=0.1)
     torch.manual_seed(0)
     d = m.build_drafter(t, ex, "tiny")
     head = d.lm_head.weight.clone()

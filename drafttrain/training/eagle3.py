@@ -16,7 +16,8 @@ from ..data.vocab import build_draft_vocab, count_assistant_tokens, default_draf
 from ..drafters.eagle3 import Eagle3Drafter, noisy_taps
 from ..io import DraftTrainError
 from ..losses import (EAGLE3_LOSSES, Eagle3Teacher, combine_step_losses, eagle3_aligned, eagle3_step_stats,
-                      eagle3_valid_mask, step_weights, teacher_from_hidden, teacher_from_logits)
+                      eagle3_valid_mask, feature_regression_sum, step_weights, teacher_from_hidden,
+                      teacher_from_logits)
 from ..targets.load import gather_taps, num_layers, resolve_taps, text_config
 from .method import MethodDefaults, chain_tau, position_means
 
@@ -114,6 +115,7 @@ class Eagle3Method(MethodDefaults):
         self.align_top_k = int(getattr(cfg, "align_top_k", 0))
         self.score_oov = bool(getattr(cfg, "score_oov", False))
         self.score_prompt = bool(getattr(cfg, "score_prompt", False))
+        self.feature_weight = float(getattr(cfg, "feature_loss_weight", 0.0))
 
     def build_drafter(self, target_model, examples, target_name: str) -> Eagle3Drafter:
         V = target_model.get_output_embeddings().weight.shape[0]
@@ -205,6 +207,11 @@ class Eagle3Method(MethodDefaults):
         """
         masks = self.valid_masks(drafter, batch, cap)
         align = _Alignment(self.align_top_k, cap.teacher, drafter.d2t) if self.align_top_k else None
+        taps = cap.taps.to(next(drafter.parameters()).dtype)
+        fused = None
+        if self.feature_weight > 0:  # the regression targets: the fused features, a constant
+            with torch.no_grad():
+                fused = drafter.fuse(taps)
 
         def step_loss(i, rows, head):  # rows: step i's hidden states at its valid positions (row-major)
             mask = masks[i]
@@ -213,12 +220,17 @@ class Eagle3Method(MethodDefaults):
             logits = head(rows).float()
             if align is not None:
                 align.update(i, logits, mask)
-            return eagle3_step_stats(logits, cap.teacher, mask, drafter.d2t, drafter.t2d, i,
-                                     loss=self.loss_kind, teacher_temperature=self.teacher_temperature,
-                                     topk=self.topk_distill, topk_weight=self.topk_distill_weight)
+            st = eagle3_step_stats(logits, cap.teacher, mask, drafter.d2t, drafter.t2d, i,
+                                   loss=self.loss_kind, teacher_temperature=self.teacher_temperature,
+                                   topk=self.topk_distill, topk_weight=self.topk_distill_weight)
+            if fused is not None:  # index t of step i stands in for the features at t+1+i (same document)
+                n = mask.shape[1] - 1 - i
+                target = fused[:, 1 + i:][mask[:, :n].to(fused.device)]
+                st["loss_sum"] = st["loss_sum"] + self.feature_weight * feature_regression_sum(
+                    drafter.output_hidden(rows), target)
+            return st
 
         d = self.depth
-        taps = cap.taps.to(next(drafter.parameters()).dtype)
         if self.feature_noise > 0 and torch.is_grad_enabled():  # training only (not the loop's eval passes)
             taps = noisy_taps(taps, self.feature_noise)
         per_step = model(batch["input_ids"], taps,
