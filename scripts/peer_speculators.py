@@ -63,7 +63,7 @@ def common_overrides(a) -> list[str]:
 
 def budget_overrides(a) -> list[str]:
     return [f"train.max_steps={a.steps}", f"train.batch_size={a.batch_size}", "train.micro_batch_size=8",
-            f"train.seed={a.seed}", "train.save_every=0", "logger=none"]
+            f"train.seed={a.seed}", "train.save_every=0", "logger=none", *a.set]
 
 
 def env_for(a, speculators: bool) -> dict:
@@ -107,6 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", default="/tmp/peer")
     ap.add_argument("--out", default=str(REPO / "bench" / "peer_speculators.md"))
     ap.add_argument("--fresh", action="store_true", help="retrain rows whose drafter exists")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Hydra override for every row's settings (repeatable), e.g. train.warmup_steps=20")
     ap.add_argument("--worker", choices=["spec_same", "spec_defaults"], help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -132,7 +134,8 @@ def main(argv=None) -> int:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", row, "--run-dir", str(run),
                    *[x for k, v in vars(a).items() if k in ("target", "steps", "batch_size", "seed", "num_train",
                                                                "max_length", "num_prompts", "max_new_tokens")
-                     for x in (f"--{k.replace('_', '-')}", str(v))], "-K", str(a.K)]
+                     for x in (f"--{k.replace('_', '-')}", str(v))], "-K", str(a.K),
+                   *[x for o in a.set for x in ("--set", o)]]
         if not (drafter.exists() and meta_path.exists()) or a.fresh:
             run.mkdir(parents=True, exist_ok=True)
             print(f"[peer] {row}: training: {' '.join(cmd[1:])}", flush=True)
