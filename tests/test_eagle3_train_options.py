@@ -91,42 +91,26 @@ def test_noise_changes_the_training_step_only_under_grad():
         torch.testing.assert_close(_loss(noisy, d, t, b), ref)
 
 
-def test_teacher_temperature_reaches_the_loss():
+@pytest.mark.parametrize("option", [{"teacher_temperature": 0.5}, {"topk_distill": 3}])
+def test_a_loss_option_reaches_the_loss_and_leaves_the_statistics(option):
     t = _target()
     ex = _examples(4, seed=3)
     b = collate(ex, 0)
-    plain, cold = _method(0.0), _method(0.0, teacher_temperature=0.5)
+    plain, other = _method(0.0), _method(0.0, **option)
     torch.manual_seed(0)
     d = plain.build_drafter(t, ex, "tiny")
-    cold.d2t = plain.d2t
+    other.d2t = plain.d2t
     a, ga = _fc_grad(plain, d, t, b)
-    c, gc = _fc_grad(cold, d, t, b)
+    c, gc = _fc_grad(other, d, t, b)
     assert (ga - gc).norm() > 0.05 * ga.norm()  # (the random drafter's loss itself is near log Vd either way)
     assert a != c
+    if "topk_distill" in option:
+        assert c > a  # the extra term is a positive sum of -p log q
     with torch.no_grad():
         cap = plain.capture(t, b)
         _, sa = plain.loss(d, d, b, cap, plain.count_valid(d, b, cap), 1.0)
-        _, sc = cold.loss(d, d, b, cap, cold.count_valid(d, b, cap), 1.0)
+        _, sc = other.loss(d, d, b, cap, other.count_valid(d, b, cap), 1.0)
     assert all(torch.equal(sa[k], sc[k]) for k in sa if not k.startswith("loss_sum"))  # acc / accept: the target's
-
-
-def test_topk_distillation_reaches_the_loss():
-    t = _target()
-    ex = _examples(4, seed=3)
-    b = collate(ex, 0)
-    plain, hod = _method(0.0), _method(0.0, topk_distill=3)
-    torch.manual_seed(0)
-    d = plain.build_drafter(t, ex, "tiny")
-    hod.d2t = plain.d2t
-    a, ga = _fc_grad(plain, d, t, b)
-    h, gh = _fc_grad(hod, d, t, b)
-    assert h > a  # the extra term is a positive sum of -p log q
-    assert (ga - gh).norm() > 0.05 * ga.norm()
-    with torch.no_grad():
-        cap = plain.capture(t, b)
-        _, sa = plain.loss(d, d, b, cap, plain.count_valid(d, b, cap), 1.0)
-        _, sh = hod.loss(d, d, b, cap, hod.count_valid(d, b, cap), 1.0)
-    assert all(torch.equal(sa[k], sh[k]) for k in sa if not k.startswith("loss_sum"))
 
 
 def test_frozen_lm_head_is_the_targets_rows_and_gets_no_gradient():
@@ -146,14 +130,19 @@ def test_frozen_lm_head_is_the_targets_rows_and_gets_no_gradient():
     assert "lm_head.weight" in {n for n, p in plain.build_drafter(t, ex, "tiny").named_parameters() if p.requires_grad}
 
 
-def test_score_oov_adds_exactly_the_out_of_vocabulary_positions():
+def _masks_pair(**option):
+    """(batch, the recipe's method, the method with ``option``, a drafter, the target's capture)."""
     t = _target()
     ex = _examples(4, seed=3)
     b = collate(ex, 0)
-    plain, oov = _method(0.0), _method(0.0, score_oov=True)
+    plain, other = _method(0.0), _method(0.0, **option)
     torch.manual_seed(0)
     d = plain.build_drafter(t, ex, "tiny")
-    cap = plain.capture(t, b)
+    return b, plain, other, d, plain.capture(t, b)
+
+
+def test_score_oov_adds_exactly_the_out_of_vocabulary_positions():
+    b, plain, oov, d, cap = _masks_pair(score_oov=True)
     for i, (mp, mo) in enumerate(zip(plain.valid_masks(d, b, cap), oov.valid_masks(d, b, cap))):
         T = mp.shape[1]
         top = cap.teacher.top[:, 1 + i:]
@@ -166,13 +155,7 @@ def test_score_oov_adds_exactly_the_out_of_vocabulary_positions():
 
 
 def test_score_prompt_scores_every_real_position_the_teacher_allows():
-    t = _target()
-    ex = _examples(4, seed=3)
-    b = collate(ex, 0)
-    plain, every = _method(0.0), _method(0.0, score_prompt=True)
-    torch.manual_seed(0)
-    d = plain.build_drafter(t, ex, "tiny")
-    cap = plain.capture(t, b)
+    b, plain, every, d, cap = _masks_pair(score_prompt=True)
     am = b["attention_mask"]
     assert bool((b["loss_mask"] < am).any())  # the rows have prompt tokens
     for i, (mp, me) in enumerate(zip(plain.valid_masks(d, b, cap), every.valid_masks(d, b, cap))):
