@@ -45,6 +45,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from drafttrain.io import write_json  # noqa: E402
+
 ROWS = ("drafttrain", "spec_same", "spec_defaults")
 DESCRIPTION = {
     "drafttrain": "drafttrain default recipe (train.py recipe=eagle3)",
@@ -156,7 +158,8 @@ def main(argv=None) -> int:
                         "outputs_match_baseline": rep["outputs_match_baseline"], "train_wall_s": meta["wall_s"],
                         "train_cpu_s": meta["cpu_s"], "settings": meta.get("settings"),
                         "speculators_ran": meta.get("speculators_ran"), "final_loss": meta.get("final_loss"),
-                        "train_cmd": " ".join(meta["cmd"]), "eval_cmd": " ".join(ecmd[1:])})
+                        "overrides": list(a.set), "train_cmd": " ".join(meta["cmd"]),
+                        "eval_cmd": " ".join(ecmd[1:])})
     write_outputs(a, results)
     return 0
 
@@ -168,16 +171,17 @@ def write_outputs(a, results: list[dict]) -> None:
     old = json.loads(js.read_text()) if js.exists() else {"rows": []}
     keep = [r for r in old.get("rows", []) if not any(
         r["row"] == n["row"] and r["target"] == n["target"] and r["steps"] == n["steps"] and r["seed"] == n["seed"]
-        for n in results)]
+        and r.get("overrides", []) == n["overrides"] for n in results)]
     allrows = keep + results
     spec_version = "0.9.0"
-    js.write_text(json.dumps({"speculators_version": spec_version, "rows": allrows}, indent=1) + "\n")
+    write_json(js, {"speculators_version": spec_version, "rows": allrows})
     print(f"wrote {js}")
     lines = ["| target | row | τ | α | α@1 | α@2 | α@3 | α@4 | steps x batch | train wall s | train CPU s | "
              "greedy == AR |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in allrows:
         acc = list(r["acceptance_per_position"]) + [None] * 4
-        lines.append(f"| {Path(r['target']).name} | {r['row']} | {r['tau']:.2f} | {r['alpha']:.2f} | "
+        row = " ".join([r["row"], *r.get("overrides", [])])
+        lines.append(f"| {Path(r['target']).name} | {row} | {r['tau']:.2f} | {r['alpha']:.2f} | "
                      + " | ".join("" if x is None else f"{x:.2f}" for x in acc[:4])
                      + f" | {r['steps']} x {r['batch_size']} | {r['train_wall_s']:.0f} | {r['train_cpu_s']:.0f} | "
                      f"{r['outputs_match_baseline']} |")
