@@ -322,6 +322,22 @@ def eagle3_step_stats(
     p_top = teacher.top[:, sl][v]                                      # [N]
     ids = d2t_target_ids(d2t).to(p_soft.device)
 
+    loss_sum, q, q_max = _eagle3_loss_sum(loss, q_logits, p_soft, p_full_on_draft, topk, topk_weight)
+    with torch.no_grad():
+        # the draft's greedy token is the target's argmax: its logit there is the row's largest (valid positions
+        # have the target's argmax in the draft vocabulary; an exact tie for the largest counts as a hit)
+        top_draft = torch.searchsorted(ids, p_top).clamp_(max=ids.numel() - 1)
+        hit = (ids[top_draft] == p_top) & (q_logits.detach().gather(1, top_draft[:, None]).squeeze(1) >= q_max)
+        acc_sum = hit.sum().float()
+        accept_sum = torch.minimum(p_full_on_draft, q.detach()).sum()
+    count = torch.tensor(float(q_logits.shape[0]), device=loss_sum.device)
+    return {"loss_sum": loss_sum, "acc_sum": acc_sum, "accept_sum": accept_sum, "count": count}
+
+
+def _eagle3_loss_sum(loss: str, q_logits: torch.Tensor, p_soft: torch.Tensor, p_full_on_draft: torch.Tensor,
+                     topk: int, topk_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`eagle3_step_stats`'s differentiable sum over the rows ``q_logits [N, Vd]`` (see there), with the
+    draft softmax ``q`` and each row's largest logit (detached) for its statistics."""
     if loss == "ce":
         ce_sum, q, q_max = soft_cross_entropy(q_logits, p_soft, with_max=True)
     else:
@@ -332,20 +348,11 @@ def eagle3_step_stats(
         if loss == "lk_hybrid":
             ce_sum = -(p_soft * log_q).sum()
     loss_sum = ce_sum if loss == "ce" else tv_sum if loss == "tv" else 0.5 * (ce_sum + tv_sum)
-    if topk > 0 and topk_weight > 0 and q_logits.shape[0] > 0:
+    if topk > 0 and topk_weight > 0 and q_logits.shape[0] > 0:  # HASS: the teacher's top-k terms once more
         p_k, idx = p_soft.topk(min(int(topk), p_soft.shape[-1]), dim=-1)  # [N, K] (constants)
         log_q_k = q_logits.gather(1, idx) - torch.logsumexp(q_logits, dim=-1, keepdim=True)
         loss_sum = loss_sum - topk_weight * (p_k * log_q_k).sum()
-
-    with torch.no_grad():
-        # the draft's greedy token is the target's argmax: its logit there is the row's largest (valid positions
-        # have the target's argmax in the draft vocabulary; an exact tie for the largest counts as a hit)
-        top_draft = torch.searchsorted(ids, p_top).clamp_(max=ids.numel() - 1)
-        hit = (ids[top_draft] == p_top) & (q_logits.detach().gather(1, top_draft[:, None]).squeeze(1) >= q_max)
-        acc_sum = hit.sum().float()
-        accept_sum = torch.minimum(p_full_on_draft, q.detach()).sum()
-    count = torch.tensor(float(q_logits.shape[0]), device=loss_sum.device)
-    return {"loss_sum": loss_sum, "acc_sum": acc_sum, "accept_sum": accept_sum, "count": count}
+    return loss_sum, q, q_max
 
 
 def feature_regression_sum(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
