@@ -186,8 +186,8 @@ class Eagle3Config:
     # the soft cross-entropy's teacher is softmax(target logits / teacher_temperature): < 1 sharpens it towards
     # the argmax that greedy decoding accepts (1: the target's own distribution)
     teacher_temperature: float = num(1.0, gt=0, le=10)
-    # HASS's harmonized objective distillation: topk_weight x the soft CE's terms of the teacher's top-k tokens
-    # added to the loss (0: off)
+    # HASS's harmonized objective distillation: topk_distill_weight x the soft CE's terms of the teacher's
+    # topk_distill most likely tokens, added to the loss (0: off)
     topk_distill: int = num(0, ge=0)
     topk_distill_weight: float = num(1.0, ge=0)
     # score every real position of a conversation (prompt, template and answer tokens: the target's distribution

@@ -36,8 +36,8 @@ import torch
 from .data.vocab import d2t_target_ids
 
 __all__ = ["eagle3_valid_mask", "eagle3_step_stats", "eagle3_aligned", "combine_step_losses", "step_weights",
-           "same_document", "feature_regression_sum", "Eagle3Teacher", "teacher_from_logits", "teacher_from_hidden", "EAGLE3_LOSSES",
-           "soft_cross_entropy"]
+           "same_document", "feature_regression_sum", "Eagle3Teacher", "teacher_from_logits", "teacher_from_hidden",
+           "EAGLE3_LOSSES", "soft_cross_entropy"]
 
 # EAGLE-3 step losses: soft cross-entropy to the renormalised teacher on the draft vocabulary (EAGLE-3's
 # own, = forward KL up to a constant), total variation to the full teacher (1 - the acceptance

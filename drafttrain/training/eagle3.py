@@ -208,10 +208,13 @@ class Eagle3Method(MethodDefaults):
         masks = self.valid_masks(drafter, batch, cap)
         align = _Alignment(self.align_top_k, cap.teacher, drafter.d2t) if self.align_top_k else None
         taps = cap.taps.to(next(drafter.parameters()).dtype)
-        fused = None
-        if self.feature_weight > 0:  # the regression targets: the fused features, a constant
-            with torch.no_grad():
-                fused = drafter.fuse(taps)
+        clean_taps, fused = taps, []
+
+        def features():  # feature_loss_weight's targets, fc(taps) as a constant; first computed inside the
+            if not fused:  # forward (step_loss runs there), where a sharding wrapper has gathered fc's weights
+                with torch.no_grad():
+                    fused.append(drafter.fuse(clean_taps))
+            return fused[0]
 
         def step_loss(i, rows, head):  # rows: step i's hidden states at its valid positions (row-major)
             mask = masks[i]
@@ -223,9 +226,9 @@ class Eagle3Method(MethodDefaults):
             st = eagle3_step_stats(logits, cap.teacher, mask, drafter.d2t, drafter.t2d, i,
                                    loss=self.loss_kind, teacher_temperature=self.teacher_temperature,
                                    topk=self.topk_distill, topk_weight=self.topk_distill_weight)
-            if fused is not None:  # index t of step i stands in for the features at t+1+i (same document)
+            if self.feature_weight > 0:  # index t of step i stands in for the features at t+1+i (same document)
                 n = mask.shape[1] - 1 - i
-                target = fused[:, 1 + i:][mask[:, :n].to(fused.device)]
+                target = features()[:, 1 + i:][mask[:, :n].to(clean_taps.device)]
                 st["loss_sum"] = st["loss_sum"] + self.feature_weight * feature_regression_sum(
                     drafter.output_hidden(rows), target)
             return st
