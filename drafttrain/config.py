@@ -302,6 +302,11 @@ class TrainConfig:
     warmup_steps: int = num(20, ge=0)
     weight_decay: float = num(0.0, ge=0)
     betas: List[float] = nums(lambda: [0.9, 0.95], ge=0, lt=1)  # Adam (beta1, beta2)
+    # adamw | muon: torch's Muon on the hidden weight matrices (fc, attention, MLP), AdamW on the rest (norms,
+    # biases, lm_head); not under DeepSpeed / FSDP (drafttrain/training/optim.py)
+    optimizer: str = one_of("adamw", "adamw", "muon")
+    muon_lr: float = num(1e-2, gt=0)  # Muon's learning rate (match_rms_adamw scaling; the same schedule as lr)
+    muon_momentum: float = num(0.95, ge=0, lt=1)
     grad_clip: float = num(0.5, ge=0)  # max gradient norm (0: no clipping)
     mixed_precision: str = one_of("auto", "auto", "no", "bf16", "fp16")  # auto: bf16 on CUDA, no on CPU
     # pack each micro-batch's conversations into rows of up to data.max_length tokens (documents isolated by

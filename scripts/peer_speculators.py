@@ -16,8 +16,10 @@ Rows (one process each, one thread, run one after the other):
   same order (drafttrain.training.batching), the same target features (the 3 taps, HF ``hidden_states``
   indices, and the last decoder layer's output before the final norm, as vLLM hands speculators), the same
   draft vocabulary (d2t / t2d), architecture (1 Llama layer sized like drafttrain's), norms (fc_norm,
-  norm_output on; norm_before_residual, norm_before_fc off), TTT 7, step decay 0.8, AdamW with drafttrain's
-  lr / betas / weight decay, its warm-up + cosine schedule, gradient clip, seed.
+  norm_output on; norm_before_residual, norm_before_fc off), TTT 7, step decay 0.8, drafttrain's optimizer
+  (``train.optimizer``: AdamW with its lr / betas / weight decay; ``muon``: torch's Muon over speculators' own
+  Muon split at drafttrain's muon_lr / momentum, AdamW on the rest), its warm-up + cosine schedule, gradient
+  clip, seed.
 - ``spec_defaults``: the same model, loss and data, with speculators' own eagle3 defaults
   (speculators.train.config.schema): TTT 3, decay 1.0, norm_before_residual + norm_before_fc + norm_output
   on, fc_norm off, Muon (2-D weights) + AdamW (the rest) via ``speculators.train.optimizers.build_optimizers``,
@@ -242,9 +244,12 @@ def train_speculators(a, row: str, run_dir: Path) -> int:
     if same:
         st = dict(ttt_steps=int(ec.ttt_steps), decay=float(ec.step_decay), norm_before_residual=bool(
             ec.norm_before_residual), norm_before_fc=bool(ec.norm_before_fc), fc_norm=bool(ec.fc_norm),
-            norm_output=bool(ec.norm_output), optimizer="adamw", lr=float(tc.lr), betas=list(tc.betas),
+            norm_output=bool(ec.norm_output), optimizer=str(tc.optimizer), lr=float(tc.lr), betas=list(tc.betas),
             weight_decay=float(tc.weight_decay), schedule=f"drafttrain warm-up {tc.warmup_steps} + cosine to "
             f"{tc.min_lr_ratio} x lr", grad_clip=float(tc.grad_clip), loss="kl_div")
+        if tc.optimizer == "muon":  # drafttrain's Muon settings (drafttrain/training/optim.py)
+            st.update(muon_lr=float(tc.muon_lr), muon_momentum=float(tc.muon_momentum),
+                      muon_adjust_lr_fn="match_rms_adamw")
     else:
         oa, la = OptimizerArgs(), LossArgs()
         st = dict(ttt_steps=int(la.ttt_steps), decay=float(la.ttt_step_loss_decay), norm_before_residual=True,
@@ -274,10 +279,19 @@ def train_speculators(a, row: str, run_dir: Path) -> int:
     loss_config = resolve_loss_config("kl_div", "eager")
 
     if same:
-        opts = [torch.optim.AdamW([p for p in spec.parameters() if p.requires_grad], lr=st["lr"],
-                                  betas=tuple(st["betas"]), weight_decay=st["weight_decay"])]
-        scheds = [torch.optim.lr_scheduler.LambdaLR(opts[0], lr_lambda(tc.warmup_steps, tc.max_steps,
-                                                                         tc.min_lr_ratio))]
+        if st["optimizer"] == "muon":  # speculators' own Muon / AdamW split, at drafttrain's settings and betas
+            from speculators.train.optimizers import split_named_params_for_muon
+
+            muon_named, adamw_named = split_named_params_for_muon(spec)
+            opts = [torch.optim.Muon([p for _, p in muon_named], lr=st["muon_lr"], momentum=st["muon_momentum"],
+                                     weight_decay=st["weight_decay"], adjust_lr_fn=st["muon_adjust_lr_fn"]),
+                    torch.optim.AdamW([p for _, p in adamw_named], lr=st["lr"], betas=tuple(st["betas"]),
+                                      weight_decay=st["weight_decay"])]
+        else:
+            opts = [torch.optim.AdamW([p for p in spec.parameters() if p.requires_grad], lr=st["lr"],
+                                      betas=tuple(st["betas"]), weight_decay=st["weight_decay"])]
+        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(tc.warmup_steps, tc.max_steps, tc.min_lr_ratio))
+                  for o in opts]
     else:
         from types import SimpleNamespace
 

@@ -19,6 +19,7 @@ Each (target, seed, budget) may be run by its own process (``--targets``/``--see
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -28,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from drafttrain.config import EvalJob  # noqa: E402
 from drafttrain.io import write_json  # noqa: E402
 
 
@@ -118,10 +120,15 @@ def run_cell(a, target: str, seed: int, steps: int, methods: list[str]) -> list[
     return rows
 
 
+EVAL_KEYS = {f.name for f in dataclasses.fields(EvalJob)}  # the top-level keys `drafttrain eval` takes
+
+
 def evaluate(a, runs: Path, m: str, name: str, n: int, sampling: list[str], overrides: list[str]) -> dict | None:
     """``drafttrain eval`` of run ``m``'s final drafter on ``n`` held-out prompts into ``runs/name`` (reused when
     its report exists); its report, or None (``--only-table`` and not run yet)."""
     srun = runs / name
+    # training-only keys (train.*, eagle3.*, ...) configure the run, not `drafttrain eval`
+    overrides = [o for o in overrides if o.lstrip("+~").split("=")[0].split(".")[0] in EVAL_KEYS]
     if not (srun / "report.json").exists() and not a.only_table:
         subprocess.run([sys.executable, "-m", "drafttrain.cli", "eval", f"drafter={runs / m / 'final'}",
                         "data=builtin", f"data.num_eval={n}", f"decode.num_prompts={n}",

@@ -256,7 +256,11 @@ def load_checkpoint(path: Path, drafter, optimizer, scheduler) -> int:
     meta = read_checkpoint_meta(path)
     load_drafter_weights(path, drafter)
     if optimizer is not None:
-        optimizer.load_state_dict(load_optimizer_state(path))
+        try:
+            optimizer.load_state_dict(load_optimizer_state(path))
+        except (ValueError, KeyError) as e:  # other groups: another train.optimizer or drafter
+            raise DraftTrainError(f"{path / 'optimizer.pt'}: the saved optimizer state does not fit this run's "
+                                  f"optimizer (train.optimizer changed since it was saved?): {e}") from None
     scheduler.load_state_dict(meta["scheduler"])
     rng = load_tensors(path / "rng.safetensors")
     torch.set_rng_state(rng["torch_cpu"])

@@ -36,6 +36,7 @@ from .distributed import (
 )
 from .method import TrainingMethod, make_method, method_class, refuse_offline, target_layers_needed
 from .offline import capture_batch, check_store, offline_data
+from .optim import build_optimizer
 from .speed import StepSpeed, cost_note
 
 
@@ -194,8 +195,8 @@ def _build_drafter(run: Run) -> None:
     run.drafter = run.method.build_drafter(run.model, run.examples, run.tname).to(run.accelerator.device)
     n_train = sum(p.numel() for p in run.drafter.trainable_parameters())
     run.say(f"drafter: {job.method}, {n_train / 1e6:.2f}M trainable params, {run.method.describe(run.drafter)}")
-    run.optimizer = torch.optim.AdamW(run.method.param_groups(run.drafter, tc.lr), lr=tc.lr, betas=tuple(tc.betas),
-                                      weight_decay=tc.weight_decay)
+    run.optimizer = build_optimizer(run.drafter, run.method.param_groups(run.drafter, tc.lr), tc,
+                                    checkpoint.distributed_kind(run.accelerator))
     # stepped by hand once per optimizer step (not prepared: that would tie it to the world size)
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer,
                                                       lr_lambda(tc.warmup_steps, tc.max_steps, tc.min_lr_ratio))
