@@ -248,8 +248,10 @@ def train_speculators(a, row: str, run_dir: Path) -> int:
             weight_decay=float(tc.weight_decay), schedule=f"drafttrain warm-up {tc.warmup_steps} + cosine to "
             f"{tc.min_lr_ratio} x lr", grad_clip=float(tc.grad_clip), loss="kl_div")
         if tc.optimizer == "muon":  # drafttrain's Muon settings (drafttrain/training/optim.py)
+            from drafttrain.training.optim import MUON_ADJUST_LR_FN
+
             st.update(muon_lr=float(tc.muon_lr), muon_momentum=float(tc.muon_momentum),
-                      muon_adjust_lr_fn="match_rms_adamw")
+                      muon_adjust_lr_fn=MUON_ADJUST_LR_FN)
     else:
         oa, la = OptimizerArgs(), LossArgs()
         st = dict(ttt_steps=int(la.ttt_steps), decay=float(la.ttt_step_loss_decay), norm_before_residual=True,

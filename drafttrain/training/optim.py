@@ -18,6 +18,8 @@ from ..io import DraftTrainError
 OPTIMIZERS = ("adamw", "muon")
 # 2-D parameters that stay on AdamW under train.optimizer=muon (vocabulary matrices)
 VOCAB_HINTS = ("lm_head", "embed_tokens")
+# Muon's step size rule: its update RMS matched to AdamW's, so train.muon_lr reads like an AdamW rate
+MUON_ADJUST_LR_FN = "match_rms_adamw"
 
 
 def is_muon_param(name: str, p: torch.Tensor) -> bool:
@@ -38,8 +40,9 @@ class MuonAdamW(torch.optim.Optimizer):
         for g in groups:
             params = [p for p in g["params"] if p.requires_grad]
             lr = float(g.get("lr", base_lr))
-            mu = [p for p in params if is_muon_param(names.get(id(p), ""), p)]
-            ad = [p for p in params if not any(p is q for q in mu)]
+            to_muon = [is_muon_param(names.get(id(p), ""), p) for p in params]
+            mu = [p for p, m in zip(params, to_muon) if m]
+            ad = [p for p, m in zip(params, to_muon) if not m]
             if mu:
                 muon_groups.append({"params": mu, "lr": lr * muon_lr / base_lr})
             if ad:
@@ -48,7 +51,7 @@ class MuonAdamW(torch.optim.Optimizer):
             raise DraftTrainError("train.optimizer=muon: the drafter has no hidden weight matrix for Muon "
                                   "(only vocabulary matrices, norms and biases); use train.optimizer=adamw")
         self._muon = torch.optim.Muon(muon_groups, lr=muon_lr, weight_decay=weight_decay, momentum=muon_momentum,
-                                      adjust_lr_fn="match_rms_adamw")
+                                      adjust_lr_fn=MUON_ADJUST_LR_FN)
         self._adamw = (torch.optim.AdamW(adamw_groups, lr=base_lr, betas=tuple(betas), weight_decay=weight_decay)
                        if adamw_groups else None)
         super().__init__([p for g in muon_groups + adamw_groups for p in g["params"]], {"lr": base_lr})
