@@ -235,6 +235,10 @@ class Eagle3Config:
     # teacher there is still the renormalised draft-vocabulary softmax); false: skip them, since no draft token
     # can match the target's greedy choice there
     score_oov: bool = False
+    # score step i at t only when x_{t+1}, the token step 0 embeds there, is an answer token: the chains a
+    # decoder drafts (it starts one only after the target has produced a token of the answer); false: also the
+    # chains that start inside the prompt and must guess the answer's first tokens
+    answer_chains: bool = False
 
 
 @dataclass

@@ -231,11 +231,14 @@ def eagle3_valid_mask(
     step: int,
     doc_ids: torch.Tensor | None = None,
     score_oov: bool = False,
+    answer_chains: bool = False,
 ) -> torch.Tensor:
     """``[B, T]`` bool: valid iff ``t+2+i < T``, ``attention_mask[t+2+i]`` and ``loss_mask[t+2+i]`` are 1,
     ``argmax`` of the target at ``t+1+i`` is in the draft vocabulary (``t2d``; not required with
-    ``score_oov``), and (packed rows) ``t+2+i`` lies in the document of ``t``. ``target``: full logits
-    ``[B, T, V]`` or an :class:`Eagle3Teacher`."""
+    ``score_oov``), and (packed rows) ``t+2+i`` lies in the document of ``t``. With ``answer_chains`` also
+    ``loss_mask[t+1]``: the token step 0 embeds at t is an answer token, as at decode time, where the drafter
+    starts a chain only from a token the target has produced (never from inside the prompt).
+    ``target``: full logits ``[B, T, V]`` or an :class:`Eagle3Teacher`."""
     T = int(input_len)
     B = attention_mask.shape[0]
     i = int(step)
@@ -245,6 +248,8 @@ def eagle3_valid_mask(
         return valid
     am = attention_mask[:, 2 + i :].bool()
     lm = loss_mask[:, 2 + i :].bool()
+    if answer_chains:
+        lm = lm & loss_mask[:, 1 : 1 + n].bool()
     if score_oov:
         valid[:, :n] = am & lm
     else:

@@ -81,6 +81,25 @@ class Watched(BatchSpecDecoder):
         assert self.target.batch_size == len(rows)
 
 
+def test_rounds_past_an_accepted_eos_are_counted_as_at_batch_1(setup):
+    """The target as its own draft model is right everywhere, past the end of a row too (the target's
+    continuation of a finished text): the verifier accepts those drafts and the per-position acceptance the
+    report gives still counts only the live positions, in the batched decoder as at batch 1."""
+    def self_draft():
+        return TargetRunner(setup.model, max_len=MAX_LEN), DraftModelProposer(setup.model, max_len=256)
+
+    out = BatchSpecDecoder(*self_draft(), 3).generate(setup.prompts, LIMITS, eos_token_id=setup.eos)
+    assert out.tokens == setup.ar
+    one = [SpecDecoder(*self_draft(), 3).generate(p, n, setup.eos) for p, n in zip(setup.prompts, LIMITS)]
+    for o, r in zip(out.results, one):
+        assert (o.accepted_per_position, o.reached_per_position) == (r.accepted_per_position, r.reached_per_position)
+        assert (o.live_accepted_per_position, o.live_reached_per_position) == \
+            (r.live_accepted_per_position, r.live_reached_per_position)
+    row = out.results[2]  # ends at eos, drafted at the second position of its third round: one draft past it
+    assert sum(row.live_reached_per_position) < sum(row.reached_per_position)
+    assert out.summary()["acceptance_per_position"] == [1.0] * 3
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_batched_greedy_equals_batch1(setup, method):
     """Every row equals its batch-1 AR output token for token, and its statistics equal the batch-1
@@ -99,6 +118,8 @@ def test_batched_greedy_equals_batch1(setup, method):
             (r.num_rounds, r.num_round_tokens, r.num_drafted, r.num_accepted)
         assert o.accepted_per_position == r.accepted_per_position
         assert o.reached_per_position == r.reached_per_position
+        assert o.live_reached_per_position == r.live_reached_per_position  # a row ends at eos: its rounds too
+        assert o.live_accepted_per_position == r.live_accepted_per_position
     assert len({r.num_rounds for r in out.results}) > 1  # rows end at different rounds ...
     assert dec.sizes[0] == len(LIMITS) > dec.sizes[-1] and dec.sizes == sorted(dec.sizes, reverse=True)  # ... and leave
     s = out.summary()

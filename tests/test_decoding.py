@@ -712,3 +712,33 @@ def test_bucket_default_and_cache_length():
     tree = config.TreeConfig(enabled=True, total_tokens=30)
     assert decode_cache_length(prompts, config.DecodeConfig(max_new_tokens=20, num_draft_tokens=4, tree=tree)) == 67
     assert decode_cache_length(prompts, config.DecodeConfig(max_new_tokens=20, num_draft_tokens=4)) == 41
+
+
+def test_positions_after_an_accepted_stop_token_are_not_live(llama):
+    """A round whose accepted drafts include a stop token ends the output there: the drafts past it are counted
+    as vLLM counts them (reached, and accepted when the verifier accepts them) but not in the per-position
+    acceptance the report gives, which would otherwise read them as rejections of a drafter that was right."""
+    setup, K = llama, 4
+    ar = setup.ar
+    # rounds of an always-right chain start at output index 1, 6, 11, ...: a stop token at the second draft
+    # position of a round leaves two positions of that round past it
+    e = next(j for j in (7, 12, 17, 22, 27) if ar[j] not in ar[:j])
+    stop = ar[e]
+    prop = StubProposer(ar, lambda j: j <= e, V)  # right up to the stop token, wrong after it
+    res = SpecDecoder(setup.runner, prop, K).generate(setup.prompt, N_NEW, eos_token_id=stop)
+    assert res.tokens == ar[: e + 1]
+    r = (e - 1) // (K + 1)  # the round holding the stop token, at position (e - 1) % (K + 1) == 1
+    assert res.num_rounds == r + 1
+    assert res.reached_per_position == [r + 1] * 3 + [r]  # the third position, past the stop, was reached ...
+    assert res.accepted_per_position == [r + 1, r + 1, r, r]  # ... and rejected
+    assert res.live_reached_per_position == [r + 1, r + 1, r, r]  # not live: the output had ended
+    assert res.live_accepted_per_position == res.live_reached_per_position
+    agg = aggregate([res])
+    assert agg["acceptance_per_position"] == [1.0] * K
+    assert agg["live_reached_per_position"] == res.live_reached_per_position
+    # a drafter right past the stop token too (the target's continuation of the ended text): the verifier
+    # accepts those drafts, as vLLM counts them, and the live counts are the same as above
+    res2 = SpecDecoder(setup.runner, OracleProposer(ar), K).generate(setup.prompt, N_NEW, eos_token_id=stop)
+    assert res2.tokens == res.tokens and res2.accepted_per_position == [r + 1] * K
+    assert res2.live_reached_per_position == res.live_reached_per_position
+    assert aggregate([res2])["acceptance_per_position"] == [1.0] * K

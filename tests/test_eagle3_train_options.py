@@ -8,6 +8,7 @@
 - ``eagle3.score_oov``: positions whose target argmax is outside the draft vocabulary are scored too.
 - ``eagle3.topk_distill``: HASS's top-k term reaches the loss (by hand in tests/test_losses.py).
 - ``eagle3.score_prompt``: every real position is scored, not only the answers'.
+- ``eagle3.answer_chains``: only the chains that start from an answer token are scored.
 - ``eagle3.feature_loss_weight``: each step's output hidden state against the fused features it stands in for.
 
 A drafter trained with all of them still decodes exactly (greedy == AR)."""
@@ -49,11 +50,11 @@ def test_noise_is_bounded_by_each_taps_rms_and_off_at_zero():
 
 
 def _method(noise, teacher_temperature=1.0, freeze_lm_head=False, score_oov=False, topk_distill=0,
-            score_prompt=False, feature_loss_weight=0.0):
+            score_prompt=False, feature_loss_weight=0.0, answer_chains=False):
     return Eagle3Method(_cfg("Eagle3Config", ttt_steps=3, draft_vocab_size=30, feature_noise=noise,
                              teacher_temperature=teacher_temperature, freeze_lm_head=freeze_lm_head,
                              score_oov=score_oov, topk_distill=topk_distill, score_prompt=score_prompt,
-                             feature_loss_weight=feature_loss_weight),
+                             feature_loss_weight=feature_loss_weight, answer_chains=answer_chains),
                         _Tok(), _target())
 
 
@@ -168,6 +169,20 @@ def test_score_prompt_scores_every_real_position_the_teacher_allows():
     sp = plain.loss(d, d, b, cap, plain.count_valid(d, b, cap), 1.0)[1]
     se = every.loss(d, d, b, cap, every.count_valid(d, b, cap), 1.0)[1]
     assert se["count_0"] > sp["count_0"]
+
+
+def test_answer_chains_drop_exactly_the_chains_that_start_in_the_prompt():
+    b, plain, chains, d, cap = _masks_pair(answer_chains=True)
+    lm = b["loss_mask"].bool()
+    for i, (mp, mc) in enumerate(zip(plain.valid_masks(d, b, cap), chains.valid_masks(d, b, cap))):
+        T = mp.shape[1]
+        start = torch.zeros_like(mp)
+        start[:, :T - 1] = lm[:, 1:]  # x_{t+1}, the token step 0 embeds at t, is an answer token
+        assert torch.equal(mc, mp & start)
+        assert bool((mp & ~start).any())  # step i scores i + 1 chains per answer that start in its prompt
+    sp = plain.loss(d, d, b, cap, plain.count_valid(d, b, cap), 1.0)[1]
+    sc = chains.loss(d, d, b, cap, chains.count_valid(d, b, cap), 1.0)[1]
+    assert sc["count_0"] < sp["count_0"]
 
 
 def test_feature_loss_is_each_steps_output_against_the_next_fused_features():

@@ -1033,7 +1033,7 @@ class BatchSpecDecoder:
         accepted, done = [], []
         for i, (b, (a, bonus)) in enumerate(zip(rows, verdicts)):
             accepted.append(a)
-            _record_round(results[b], len(drafts[i]), len(drafts[i]), a)
+            _record_round(results[b], len(drafts[i]), len(drafts[i]), a, drafts[i][:a], eos)
             committed = drafts[i][:a] + [bonus]
             tokens[b].extend(committed)
             done.append(_commit(results[b], committed, eos) or len(results[b].tokens) >= limits[b])

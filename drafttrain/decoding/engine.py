@@ -51,8 +51,15 @@ class GenerationResult:
     """Output and statistics of one ``SpecDecoder.generate`` call.
 
     ``*_per_position`` lists have length K; position i is the i-th draft token of a round. A draft
-    position is *reached* in a round when all earlier drafts of that round were accepted, so
-    ``accepted_per_position[i] / reached_per_position[i]`` estimates P(position i accepted | reached).
+    position is *reached* in a round when all earlier drafts of that round were accepted (what vLLM counts,
+    ``accepted_per_position`` being the verifier's acceptances, as in vLLM's per-position metric). It is *live*
+    when, in addition, none of those earlier drafts is a stop token: after an accepted stop token the output has
+    ended, and the drafts past it can neither be used nor, judged against the target's continuation of a
+    finished text, say anything about the drafter. ``live_accepted_per_position[i] /
+    live_reached_per_position[i]`` estimates P(position i accepted | reached, output not ended), the
+    conditional acceptance the report gives per position (counting the position after an accepted stop token
+    as reached and rejected biases it down wherever answers end inside a round: on the built-in code target's
+    short answers the third position read 0.69 instead of 0.75).
     """
 
     tokens: list[int]  # new tokens only; ends at eos (inclusive) or after max_new_tokens
@@ -63,6 +70,8 @@ class GenerationResult:
     drafted_per_position: list[int] = field(default_factory=list)
     reached_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    live_reached_per_position: list[int] = field(default_factory=list)
+    live_accepted_per_position: list[int] = field(default_factory=list)
     num_tree_nodes: int = 0  # draft nodes verified (= num_drafted for chains)
     lossy: bool = False  # typical acceptance was used: the output is not distributed as the target's
     time_total: float = 0.0
@@ -74,6 +83,12 @@ class GenerationResult:
     def tau(self) -> float:
         """Mean tokens committed per round (1 for AR)."""
         return self.num_round_tokens / self.num_rounds if self.num_rounds else float("nan")
+
+    def __post_init__(self) -> None:
+        K = len(self.drafted_per_position)
+        for name in ("live_reached_per_position", "live_accepted_per_position"):
+            if not getattr(self, name):
+                setattr(self, name, [0] * K)
 
 
 class SpecDecoder:
@@ -243,7 +258,7 @@ class SpecDecoder:
         host = torch.cat([a, b, d]).tolist()  # the round's one host sync
         a, b, drafts = host[0], host[1], host[2:]
         target.truncate(len(tokens) + a)  # keep x_0..x_{n-1} (incl. the old pending) and d_1..d_a
-        _record_round(res, n, n, a)
+        _record_round(res, n, n, a, drafts[:a], stops)
         committed = drafts[:a] + [b]
         if grammar is not None:
             self._grammar_commit(grammar, committed, stops)
@@ -335,8 +350,8 @@ class SpecDecoder:
         keep = [0] + path
         target.keep([L0 + i for i in keep], start=L0)
         # draft positions offered: one per depth, so alpha is comparable to chains
-        _record_round(res, tree.depth, tree.num_nodes, a)
         committed = [tree.tokens[i - 1] for i in path] + [b]
+        _record_round(res, tree.depth, tree.num_nodes, a, committed[:a], stops)
         if grammar is not None:
             self._grammar_commit(grammar, committed, stops)
         kept_taps = None if taps is None else taps[torch.tensor(keep, device=taps.device)]
@@ -366,19 +381,29 @@ def _commit(res: GenerationResult, committed: list[int], stops: set[int]) -> boo
     return False
 
 
-def _record_round(res: GenerationResult, positions: int, nodes: int, a: int) -> None:
+def _record_round(res: GenerationResult, positions: int, nodes: int, a: int, accepted_tokens=(),
+                  stops: set[int] = frozenset()) -> None:
     """Count one verify round: ``positions`` draft positions offered (chain length; tree depth), ``nodes``
-    draft nodes verified, ``a`` accepted."""
+    draft nodes verified, ``a`` accepted; ``accepted_tokens`` (the accepted drafts, in order) and ``stops``
+    say where the output ended inside the round: the positions after an accepted stop token are not live."""
     res.num_rounds += 1
     res.num_drafted += positions
     res.num_tree_nodes += nodes
     res.num_accepted += a
+    live = min(a + 1, positions)
+    for j, t in enumerate(list(accepted_tokens)[:a]):
+        if t in stops:
+            live = min(live, j + 1)
+            break
     for i in range(positions):
         res.drafted_per_position[i] += 1
     for i in range(min(a + 1, positions)):
         res.reached_per_position[i] += 1
     for i in range(a):
         res.accepted_per_position[i] += 1
+    for i in range(live):
+        res.live_reached_per_position[i] += 1
+        res.live_accepted_per_position[i] += i < a
 
 
 def _constrain(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
@@ -394,7 +419,7 @@ def aggregate(results: Sequence[GenerationResult]) -> dict:
     """Pool the statistics of several generations.
 
     Returns a dict with ``alpha`` (accepted / drafted), ``acceptance_per_position`` (list: P(position i
-    accepted | reached), None where never reached), ``tau`` (round tokens / rounds), ``tokens_per_s``
+    accepted | reached with the output not ended yet), None where never reached; see :class:`GenerationResult`), ``tau`` (round tokens / rounds), ``tokens_per_s``
     (new tokens / total time), the time split (``time_total``, ``time_target``, ``time_draft``,
     ``time_other`` and the ``frac_*`` of the total) and the raw counts.
     """
@@ -414,6 +439,8 @@ def aggregate(results: Sequence[GenerationResult]) -> dict:
     drafted_pp = pos_sum("drafted_per_position")
     reached_pp = pos_sum("reached_per_position")
     accepted_pp = pos_sum("accepted_per_position")
+    live_reached_pp = pos_sum("live_reached_per_position")
+    live_accepted_pp = pos_sum("live_accepted_per_position")
     num_new = sum(len(r.tokens) for r in results)
     rounds = sum(r.num_rounds for r in results)
     drafted = sum(r.num_drafted for r in results)
@@ -434,9 +461,11 @@ def aggregate(results: Sequence[GenerationResult]) -> dict:
         "nodes_per_round": ratio(nodes, rounds),
         "lossy": any(r.lossy for r in results),
         "alpha": ratio(accepted, drafted),
-        "acceptance_per_position": [ratio(a, r) for a, r in zip(accepted_pp, reached_pp)],
+        "acceptance_per_position": [ratio(a, r) for a, r in zip(live_accepted_pp, live_reached_pp)],
         "accepted_per_position": accepted_pp,
         "reached_per_position": reached_pp,
+        "live_accepted_per_position": live_accepted_pp,
+        "live_reached_per_position": live_reached_pp,
         "drafted_per_position": drafted_pp,
         "tau": ratio(sum(r.num_round_tokens for r in results), rounds),
         "tokens_per_s": ratio(num_new, t_total),

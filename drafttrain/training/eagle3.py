@@ -114,6 +114,7 @@ class Eagle3Method(MethodDefaults):
         self.topk_distill_weight = float(getattr(cfg, "topk_distill_weight", 1.0))
         self.align_top_k = int(getattr(cfg, "align_top_k", 0))
         self.score_oov = bool(getattr(cfg, "score_oov", False))
+        self.answer_chains = bool(getattr(cfg, "answer_chains", False))
         self.score_prompt = bool(getattr(cfg, "score_prompt", False))
         self.feature_weight = float(getattr(cfg, "feature_loss_weight", 0.0))
 
@@ -192,7 +193,8 @@ class Eagle3Method(MethodDefaults):
         scored = batch["attention_mask"] if self.score_prompt else batch["loss_mask"]
         return [
             eagle3_valid_mask(T, batch["attention_mask"], scored, cap.teacher, drafter.t2d, i,
-                              doc_ids=batch.get("doc_ids"), score_oov=self.score_oov)
+                              doc_ids=batch.get("doc_ids"), score_oov=self.score_oov,
+                              answer_chains=self.answer_chains)
             for i in range(self.ttt_steps)
         ]
 
