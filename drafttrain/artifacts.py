@@ -116,7 +116,7 @@ def _materialize(ckpt: Path, out: Path) -> None:
 
     from .config import TrainJob
     from .targets.load import load_target, target_id
-    from .training.checkpoint import STATE, load_drafter_weights, read_checkpoint_meta
+    from .training.checkpoint import EMA_FILE, STATE, load_drafter_weights, load_ema, read_checkpoint_meta
     from .training.method import make_method
 
     meta = read_checkpoint_meta(ckpt)
@@ -131,6 +131,11 @@ def _materialize(ckpt: Path, out: Path) -> None:
     method = make_method(job, tokenizer, model)
     drafter = method.build_drafter(model, [], target_id(path))  # d2t/t2d come from the checkpoint
     load_drafter_weights(ckpt, drafter)
+    if (ckpt / EMA_FILE).exists():  # train.ema_decay: the run's drafter is the weight average (what final/ holds)
+        _, unexpected = drafter.load_state_dict(load_ema(ckpt), strict=False)
+        if unexpected:
+            raise DraftTrainError(f"{ckpt / EMA_FILE}: tensors this drafter does not have: {unexpected[:3]}")
+        print(f"[drafttrain] {ckpt}: the drafter holds the checkpoint's weight average ({EMA_FILE})", flush=True)
     drafter.save_pretrained(out)
 
 

@@ -311,6 +311,10 @@ class TrainConfig:
     optimizer: str = one_of("adamw", "adamw", "muon")
     muon_lr: float = num(1e-2, gt=0)  # Muon's learning rate (match_rms_adamw scaling; the same schedule as lr)
     muon_momentum: float = num(0.95, ge=0, lt=1)
+    # an exponential moving average of the trainable weights, updated after every optimizer step; final/ (and
+    # every evaluation) holds the average; checkpoints keep it beside the weights (ema.safetensors). 0: off.
+    # Not under DeepSpeed / FSDP (drafttrain/training/optim.py)
+    ema_decay: float = num(0.0, ge=0, lt=1)
     grad_clip: float = num(0.5, ge=0)  # max gradient norm (0: no clipping)
     mixed_precision: str = one_of("auto", "auto", "no", "bf16", "fp16")  # auto: bf16 on CUDA, no on CPU
     # pack each micro-batch's conversations into rows of up to data.max_length tokens (documents isolated by

@@ -111,6 +111,7 @@ def test_cli_prints_the_job_config(tmp_path):
     ("train.max_steps=abc", "train.max_steps"),
     ("eagle3.ttt_stepz=2", "ttt_stepz"),
     ("train.optimizer=sgd", "train.optimizer"),
+    ("train.ema_decay=1.0", "train.ema_decay"),
     ("recipe=nope", "recipe/nope"),
 ])
 def test_cli_bad_override_is_one_line_exit_2(override, needle, tmp_path):

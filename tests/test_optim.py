@@ -10,7 +10,7 @@ import torch
 from drafttrain.io import DraftTrainError
 from drafttrain.training import checkpoint
 from drafttrain.training.loop import lr_lambda
-from drafttrain.training.optim import MuonAdamW, build_optimizer, is_muon_param
+from drafttrain.training.optim import MuonAdamW, WeightEMA, build_ema, build_optimizer, is_muon_param
 
 
 class _Toy(torch.nn.Module):
@@ -145,3 +145,68 @@ def test_muon_without_a_hidden_matrix_is_refused():
     m.lm_head = torch.nn.Linear(4, 3)
     with pytest.raises(DraftTrainError, match="no hidden weight matrix for Muon"):
         build_optimizer(m, _groups(m), _tc())
+
+
+# ---------------------------------------------------------------------------------- train.ema_decay
+def test_the_weight_average_follows_its_recursion_and_swaps_in_and_out():
+    torch.manual_seed(0)
+    m = _Toy()
+    start = {n: p.detach().clone() for n, p in m.named_parameters()}
+    ema = WeightEMA(m, 0.75)
+    assert "embed_tokens.weight" not in ema.average  # frozen: not averaged (a copy of the target's)
+    expect = {n: t.clone() for n, t in ema.average.items()}
+    for k in range(3):
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p))
+        ema.update()
+        for n, p in m.named_parameters():
+            if p.requires_grad:
+                expect[n] = 0.75 * expect[n] + 0.25 * p.detach()
+    for n, t in expect.items():
+        torch.testing.assert_close(ema.average[n], t)
+    live = {n: p.detach().clone() for n, p in m.named_parameters()}
+    with ema.applied():
+        for n, p in m.named_parameters():
+            assert torch.equal(p, ema.average[n] if n in ema.average else live[n]), n
+    for n, p in m.named_parameters():
+        assert torch.equal(p, live[n]), n  # restored exactly
+    assert not torch.equal(live["fc.weight"], start["fc.weight"])
+    ema.copy_to_weights()
+    assert torch.equal(m.fc.weight, ema.average["fc.weight"])
+
+
+def test_the_weight_average_round_trips_and_refuses_another_drafter():
+    torch.manual_seed(0)
+    a, b = _Toy(), _Toy()
+    ea, eb = WeightEMA(a, 0.9), WeightEMA(b, 0.9)
+    eb.load_state_dict(ea.state_dict(), "x/ema.safetensors")
+    for n in ea.average:
+        assert torch.equal(ea.average[n], eb.average[n])
+    bad = dict(ea.state_dict())
+    bad.pop("fc.weight")
+    with pytest.raises(DraftTrainError, match="x/ema.safetensors.*lacks.*fc.weight"):
+        eb.load_state_dict(bad, "x/ema.safetensors")
+
+
+@pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP"])
+def test_the_weight_average_is_off_at_zero_and_refused_where_weights_are_sharded(kind):
+    m = _Toy()
+    assert build_ema(m, _tc(ema_decay=0.0)) is None
+    assert isinstance(build_ema(m, _tc(ema_decay=0.9), "MULTI_CPU"), WeightEMA)
+    with pytest.raises(DraftTrainError, match=f"train.ema_decay=0.9 .*{kind} shards"):
+        build_ema(m, _tc(ema_decay=0.9), kind)
+
+
+def test_a_checkpoint_without_the_average_does_not_resume_an_averaging_run(tmp_path):
+    m = _Toy()
+    opt = build_optimizer(m, _groups(m), _tc(optimizer="adamw"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(0, 10, 0.1))
+    checkpoint.save_checkpoint(tmp_path / "step_1", m, opt, sched, 1, {})
+    with pytest.raises(DraftTrainError, match="ema.safetensors: missing.*train.ema_decay=0"):
+        checkpoint.load_ema(tmp_path / "step_1")
+    ema = WeightEMA(m, 0.9)
+    checkpoint.write_checkpoint(tmp_path / "step_2", m.state_dict(), opt.state_dict(), sched, 2, {},
+                                ema=ema.state_dict())
+    assert checkpoint.load_ema(tmp_path / "step_2").keys() == ema.average.keys()

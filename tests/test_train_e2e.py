@@ -21,6 +21,7 @@ SMALL = [
     "train.batch_size=4", "train.micro_batch_size=2", "train.lr=3e-3", "train.warmup_steps=2",
     "eagle3.ttt_steps=3", "decode.max_new_tokens=24", "decode.num_prompts=3", "decode.num_draft_tokens=3",
     "logger=none",
+    "train.ema_decay=0.5",  # the weight average: final/ holds it, checkpoints carry it, resume continues it
 ]
 REPORT_KEYS = ["method", "target", "drafter", "prompts", "new_tokens", "num_draft_tokens", "temperature", "alpha",
                "acceptance_per_position", "tau", "tokens_per_s", "baseline_tokens_per_s", "speedup",
@@ -57,6 +58,13 @@ def test_train_writes_report_and_drafter(trained_run):
 
     d = Eagle3Drafter.from_pretrained(trained_run / "final")
     assert d.config.tap_layers == [2, 4, 5]
+    last = trained_run / "checkpoints" / "step_00000006"
+    final, live, average = (load_file(p) for p in (trained_run / "final" / "model.safetensors",
+                                                   last / "drafter.safetensors", last / "ema.safetensors"))
+    assert average.keys() <= final.keys() and "fc.weight" in average and "embed_tokens.weight" not in average
+    for k in average:  # final/ is the average of the run's weights, not the last step's weights
+        assert torch.equal(final[k], average[k]), k
+    assert not torch.equal(final["fc.weight"], live["fc.weight"])
     assert (trained_run / ".hydra" / "config.yaml").exists()
 
 

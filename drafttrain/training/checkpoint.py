@@ -4,6 +4,7 @@ Layout ``<run>/checkpoints/step_00000100/``:
   drafter.safetensors   trainable weights and buffers of the drafter
   optimizer.pt          optimizer state (tensors and numbers only; loaded with ``weights_only=True``)
   rng.safetensors       torch CPU (and CUDA) RNG states
+  ema.safetensors       the weight average (train.ema_decay > 0 only)
   state.json            step, method, target, scheduler state, world size, config fingerprint
 
 The data position is the step (see batching.py), so no data-loader state is needed. A checkpoint directory
@@ -28,6 +29,7 @@ import torch
 from ..io import DraftTrainError, atomic_dir, load_tensors, read_json, save_tensors, torch_load_safe, write_json
 
 STATE = "state.json"
+EMA_FILE = "ema.safetensors"
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -52,8 +54,10 @@ def save_checkpoint(path: Path, drafter, optimizer, scheduler, step: int, meta: 
     write_checkpoint(path, weights, optimizer.state_dict(), scheduler, step, meta)
 
 
-def write_checkpoint(path: Path, weights: dict, optimizer_state: dict, scheduler, step: int, meta: dict) -> None:
-    """Write a checkpoint from already gathered full weights and a plain (torch AdamW layout) optimizer state."""
+def write_checkpoint(path: Path, weights: dict, optimizer_state: dict, scheduler, step: int, meta: dict,
+                     ema: dict | None = None) -> None:
+    """Write a checkpoint from already gathered full weights and a plain (torch AdamW layout) optimizer state;
+    ``ema``: the weight average's tensors (:class:`drafttrain.training.optim.WeightEMA`), if the run keeps one."""
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -64,6 +68,8 @@ def write_checkpoint(path: Path, weights: dict, optimizer_state: dict, scheduler
         save_tensors(tmp / "drafter.safetensors", {k: v for k, v in weights.items() if not _skip(k)})
         torch.save(optimizer_state, tmp / "optimizer.pt")
         save_tensors(tmp / "rng.safetensors", rng)
+        if ema is not None:
+            save_tensors(tmp / EMA_FILE, ema)
         write_json(tmp / STATE, state)
 
 
@@ -282,6 +288,15 @@ def load_drafter_weights(path: Path, drafter) -> None:
 
 def load_weights(path: Path) -> dict:
     return load_tensors(Path(path) / "drafter.safetensors")
+
+
+def load_ema(path: Path) -> dict:
+    """The saved weight average (``train.ema_decay`` > 0)."""
+    f = Path(path) / EMA_FILE
+    if not f.exists():
+        raise DraftTrainError(f"{f}: missing: this checkpoint was written without a weight average "
+                              "(train.ema_decay=0); resume it with train.ema_decay=0")
+    return load_tensors(f)
 
 
 def load_optimizer_state(path: Path) -> dict:

@@ -36,7 +36,7 @@ from .distributed import (
 )
 from .method import TrainingMethod, make_method, method_class, refuse_offline, target_layers_needed
 from .offline import capture_batch, check_store, offline_data
-from .optim import build_optimizer
+from .optim import build_ema, build_optimizer
 from .speed import StepSpeed, cost_note
 
 
@@ -71,6 +71,7 @@ class Run:
     wrapped: Any = None  # the drafter as prepared (DDP / FSDP / DeepSpeed engine)
     optimizer: Any = None
     scheduler: Any = None
+    ema: Any = None  # train.ema_decay's WeightEMA (None: off)
     meta: dict = field(default_factory=dict)
     order: list = field(default_factory=list)  # parameter names per optimizer group (checkpoints gather by name)
     start_step: int = 0
@@ -201,6 +202,7 @@ def _build_drafter(run: Run) -> None:
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer,
                                                       lr_lambda(tc.warmup_steps, tc.max_steps, tc.min_lr_ratio))
     run.order = checkpoint.param_order(run.drafter, run.optimizer)
+    run.ema = build_ema(run.drafter, tc, checkpoint.distributed_kind(run.accelerator))
 
 
 def _resume(run: Run) -> None:
@@ -210,6 +212,8 @@ def _resume(run: Run) -> None:
     checkpoint.check_compatible(checkpoint.read_checkpoint_meta(resume_from), run.meta, resume_from)
     optimizer = None if is_deepspeed(run.accelerator) else run.optimizer  # DeepSpeed's state is filled after prepare
     run.start_step = checkpoint.load_checkpoint(resume_from, run.drafter, optimizer, run.scheduler)
+    if run.ema is not None:
+        run.ema.load_state_dict(checkpoint.load_ema(resume_from), str(resume_from / checkpoint.EMA_FILE))
     run.resume_from = resume_from
     run.say(f"resumed from {resume_from} at step {run.start_step}")
 
@@ -320,6 +324,8 @@ def _micro_step(run: Run, mb: dict, cap, counts: torch.Tensor, step: int, idx: l
                 sums["grad_norm"] = float(grad_norm)
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
+        if run.ema is not None and acc.sync_gradients:
+            run.ema.update()
     return stats
 
 
@@ -377,7 +383,8 @@ def save_checkpoint(run: Run, step: int) -> None:
     weights, optim_state = checkpoint.gather_state(acc, run.wrapped, run.drafter, run.optimizer, run.order)
     if acc.is_main_process:
         path = checkpoint.checkpoint_dir(run.run_dir, step)
-        checkpoint.write_checkpoint(path, weights, optim_state, run.scheduler, step, run.meta)
+        checkpoint.write_checkpoint(path, weights, optim_state, run.scheduler, step, run.meta,
+                                    ema=None if run.ema is None else run.ema.state_dict())
         checkpoint.prune_checkpoints(run.run_dir, run.job.train.keep_checkpoints)
     acc.wait_for_everyone()
 
@@ -387,6 +394,8 @@ def save_final(run: Run) -> None:
     tc, acc = run.job.train, run.accelerator
     if tc.max_steps > run.start_step or run.resume_from is None:
         save_checkpoint(run, tc.max_steps)
+    if run.ema is not None:  # the checkpoint keeps the last weights and the average; final/ the average
+        run.ema.copy_to_weights()
     gathered = contextlib.ExitStack()  # ZeRO-3: the full weights on every process while the drafter is saved
     gathered.enter_context(full_params(acc, run.wrapped))
     if run.main:
@@ -446,9 +455,10 @@ def evaluate_checkpoint(run: Run, step: int) -> None:
                                    "the main process (once) to decode")
         path = checkpoint.checkpoint_dir(run.run_dir, step)
         module = unwrap(acc, run.wrapped)
-        eval_model, eval_drafter, extra = run.method.eval_setup(model, module)  # what the decoder drafts with
-        report = evaluate_drafter(eval_model, run.tokenizer, eval_drafter, run.job.decode, run.eval_convs, path,
-                                  target_name=run.tname, drafter_name=str(path), extra=extra)
+        with run.ema.applied() if run.ema is not None else contextlib.nullcontext():  # what final/ would hold
+            eval_model, eval_drafter, extra = run.method.eval_setup(model, module)  # what the decoder drafts with
+            report = evaluate_drafter(eval_model, run.tokenizer, eval_drafter, run.job.decode, run.eval_convs,
+                                      path, target_name=run.tname, drafter_name=str(path), extra=extra)
         module.train()
         _log_eval(run, report, path, step)
     acc.wait_for_everyone()

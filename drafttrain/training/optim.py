@@ -8,8 +8,13 @@ step is scaled with ``adjust_lr_fn="match_rms_adamw"`` (update RMS ~ AdamW's), a
 Both run under one :class:`torch.optim.Optimizer` (:class:`MuonAdamW`) whose ``param_groups`` and ``state``
 are the two inner optimizers' own objects: the learning-rate schedule, gradient clipping, Accelerate's
 wrapper and checkpoints see one optimizer with a plain torch ``state_dict`` (Muon groups first, then AdamW's).
+
+``train.ema_decay`` > 0 keeps an exponential moving average of the trainable weights beside the optimizer
+(:class:`WeightEMA`): the drafter saved in ``final/`` (and every evaluation) carries the average.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -97,3 +102,66 @@ def build_optimizer(drafter, groups: list[dict], tc, distributed: str = "NO") ->
                               "use train.optimizer=adamw with it, or DDP (accelerate launch without a ZeRO/FSDP config)")
     names = {id(p): n for n, p in drafter.named_parameters()}
     return MuonAdamW(groups, names, tc.lr, tc.muon_lr, tuple(tc.betas), tc.weight_decay, tc.muon_momentum)
+
+
+class WeightEMA:
+    """An exponential moving average of a module's trainable weights: after every optimizer step
+    ``average = decay * average + (1 - decay) * weight`` (``train.ema_decay``; about the last
+    ``1 / (1 - decay)`` steps). Only trainable parameters are averaged: the frozen embedding, a copy of the
+    target's, is not copied again. ``state_dict`` / ``load_state_dict`` carry the average through checkpoints
+    (``ema.safetensors``), so a resumed run continues the same average."""
+
+    def __init__(self, module: torch.nn.Module, decay: float) -> None:
+        if not 0.0 < decay < 1.0:
+            raise DraftTrainError(f"train.ema_decay={decay}: must be in (0, 1) (0 turns the average off)")
+        self.decay = float(decay)
+        self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        self.average = {n: p.detach().clone() for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for n, p in self.params.items():
+            self.average[n].lerp_(p.detach().to(self.average[n].dtype), 1.0 - self.decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: t.detach().cpu().contiguous() for n, t in self.average.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], where: str) -> None:
+        if set(state) != set(self.average):
+            raise DraftTrainError(f"{where}: the saved weight average holds {sorted(set(state) - set(self.average))[:3]}"
+                                  f" and lacks {sorted(set(self.average) - set(state))[:3]} (another drafter?)")
+        for n, t in state.items():
+            if t.shape != self.average[n].shape:
+                raise DraftTrainError(f"{where}: {n} has shape {tuple(t.shape)}, this drafter's "
+                                      f"{tuple(self.average[n].shape)}")
+            self.average[n].copy_(t.to(self.average[n].device, self.average[n].dtype))
+
+    @torch.no_grad()
+    def copy_to_weights(self) -> None:
+        """The average becomes the module's weights (the end of training)."""
+        for n, p in self.params.items():
+            p.copy_(self.average[n].to(p.dtype))
+
+    @contextlib.contextmanager
+    def applied(self):
+        """The module holds the average inside the block, its own weights again after it."""
+        kept = {n: p.detach().clone() for n, p in self.params.items()}
+        self.copy_to_weights()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(kept[n])
+
+
+def build_ema(module: torch.nn.Module, tc, distributed: str = "NO") -> WeightEMA | None:
+    """``train.ema_decay``'s weight average of ``module`` (None at 0). Every process keeps its own copy of the
+    whole average (DDP: the same on each), which sharded training (DeepSpeed, FSDP) does not allow."""
+    decay = float(getattr(tc, "ema_decay", 0.0))
+    if decay == 0.0:
+        return None
+    if distributed in ("DEEPSPEED", "FSDP"):
+        raise DraftTrainError(f"train.ema_decay={decay} averages whole weights; {distributed} shards them: use "
+                              "train.ema_decay=0 with it, or DDP (accelerate launch without a ZeRO/FSDP config)")
+    return WeightEMA(module, decay)
