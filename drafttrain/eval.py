@@ -475,6 +475,8 @@ def build_report(run: EvalRun, m: Measured, swept: list[dict], *, target_name: s
         "verification": verification_label(decode, S["lossy"]), "lossy": S["lossy"], "alpha": S["alpha"],
         "acceptance_unit": "depth" if run.is_tree else "position",
         "acceptance_per_position": S["acceptance_per_position"], "tau": S["tau"],
+        **{k: S[k] for k in ("accepted_per_position", "reached_per_position", "live_accepted_per_position",
+                             "live_reached_per_position")},
         "tokens_per_s": S["tokens_per_s"], "baseline_tokens_per_s": A["tokens_per_s"],
         "speedup": (S["tokens_per_s"] / A["tokens_per_s"]) if S["tokens_per_s"] and A["tokens_per_s"] else None,
         **speedup_spread(m.ar, m.spec, len(run.prompts)),

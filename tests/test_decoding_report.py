@@ -56,6 +56,9 @@ def test_report_chain_with_sweep_and_plots(tiny, tmp_path):
     assert on_disk["method"] == "pld" and on_disk["acceptance_unit"] == "position"
     assert rep["outputs_match_baseline"] is True and rep["verification"].startswith("greedy")
     assert rep["draft_chain"] == {"kind": "chain", "num_draft_tokens": 3} and rep["lossy"] is False
+    for i, a in enumerate(on_disk["acceptance_per_position"]):  # the live counts, beside the verifier's own
+        assert a == on_disk["live_accepted_per_position"][i] / on_disk["live_reached_per_position"][i]
+        assert on_disk["live_reached_per_position"][i] <= on_disk["reached_per_position"][i]
     assert [s["draft_tokens"] for s in rep["sweep"]] == [1, 3]
     assert all(s["speedup"] > 0 and s["tau"] >= 1 for s in rep["sweep"])
     assert rep["frac_target"] + rep["frac_draft"] + rep["frac_other"] == pytest.approx(1.0)
