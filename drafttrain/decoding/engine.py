@@ -419,9 +419,10 @@ def aggregate(results: Sequence[GenerationResult]) -> dict:
     """Pool the statistics of several generations.
 
     Returns a dict with ``alpha`` (accepted / drafted), ``acceptance_per_position`` (list: P(position i
-    accepted | reached with the output not ended yet), None where never reached; see :class:`GenerationResult`), ``tau`` (round tokens / rounds), ``tokens_per_s``
-    (new tokens / total time), the time split (``time_total``, ``time_target``, ``time_draft``,
-    ``time_other`` and the ``frac_*`` of the total) and the raw counts.
+    accepted | reached with the output not ended yet), None where never reached; see
+    :class:`GenerationResult`), ``tau`` (round tokens / rounds), ``tokens_per_s`` (new tokens / total time),
+    the time split (``time_total``, ``time_target``, ``time_draft``, ``time_other`` and the ``frac_*`` of the
+    total) and the raw counts.
     """
 
     def ratio(x, y):
