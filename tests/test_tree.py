@@ -650,3 +650,17 @@ def test_cuda_graph_path_matches_eager():
                  Eagle3TreeProposer(drafter, max_len=256, depth=4, top_k=3, total_tokens=12, static_shapes=True,
                                     compile=True)):
         assert SpecDecoder(runner, prop, 4).generate(prompt, N_NEW).tokens == ar
+
+
+def test_tree_positions_after_an_accepted_stop_token_are_not_live(llama):
+    """As for chains (tests/test_decoding.py): the depths of a round past an accepted stop token are counted as
+    the verifier counts them, not in the report's per-depth acceptance."""
+    s, K = llama, 4
+    e = next(j for j in (7, 12, 17, 22, 27) if s.ar[j] not in s.ar[:j])  # the second depth of a round
+    prop = StubTreeProposer(s.ar, lambda j: j <= e, V, branching=3)
+    res = SpecDecoder(TargetRunner(s.model, max_len=256), prop, K).generate(s.prompt, N_NEW, eos_token_id=s.ar[e])
+    assert res.tokens == s.ar[: e + 1]
+    r = (e - 1) // (K + 1)
+    assert res.reached_per_position == [r + 1] * 3 + [r] and res.accepted_per_position == [r + 1, r + 1, r, r]
+    assert res.live_reached_per_position == res.live_accepted_per_position == [r + 1, r + 1, r, r]
+    assert aggregate([res])["acceptance_per_position"] == [1.0] * K
