@@ -11,7 +11,8 @@ Rows (one process each, one thread, run one after the other):
 - ``spec_same``: speculators' ``Eagle3DraftModel`` (its model class: fc / fc_norm / input_norm, its Llama first
   layer with hidden_norm, its TTT unroll with its dense document + diagonal masks, its frozen target lm_head
   rows, its teacher ``verifier_lm_head(verifier_norm(last hidden))``) and its loss (``compute_metrics`` ->
-  ``compound_loss`` with the eager ``kl_div``), fed by speculators' own ``shift_batch`` + ``CollateFn`` (one
+  ``compound_loss`` with the eager ``kl_div``, or the loss ``--spec-loss`` names, e.g. ``ce``: hard labels on the
+  target's argmax; such a row trains into ``spec_same_<loss>/``), fed by speculators' own ``shift_batch`` + ``CollateFn`` (one
   packed row per step), with drafttrain's hyper-parameters: the same 16 conversations per optimizer step in the
   same order (drafttrain.training.batching), the same target features (the 3 taps, HF ``hidden_states``
   indices, and the last decoder layer's output before the final norm, as vLLM hands speculators), the same
@@ -113,6 +114,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true", help="retrain rows whose drafter exists")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a Hydra override for every row's settings (repeatable), e.g. train.warmup_steps=20")
+    ap.add_argument("--spec-loss", default="kl_div",
+                    help="spec_same's loss: a speculators loss name (kl_div, ce = hard labels on the target's "
+                         "argmax, reverse_kl, js, tv, ...) or its JSON mix, e.g. '{\"ce\": 0.5, \"kl_div\": 0.5}'")
     ap.add_argument("--worker", choices=["spec_same", "spec_defaults"], help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -128,7 +132,7 @@ def main(argv=None) -> int:
     base.mkdir(parents=True, exist_ok=True)
     results = []
     for row in rows:
-        run = base / row
+        run = base / run_name(row, a.spec_loss)
         drafter = run / ("final" if row == "drafttrain" else "drafter")
         meta_path = run / "peer_train.json"
         if row == "drafttrain":
@@ -137,7 +141,8 @@ def main(argv=None) -> int:
         else:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", row, "--run-dir", str(run),
                    *[x for k, v in vars(a).items() if k in ("target", "steps", "batch_size", "seed", "num_train",
-                                                               "max_length", "num_prompts", "max_new_tokens")
+                                                               "max_length", "num_prompts", "max_new_tokens",
+                                                               "spec_loss")
                      for x in (f"--{k.replace('_', '-')}", str(v))], "-K", str(a.K),
                    *[x for o in a.set for x in ("--set", o)]]
         if not (drafter.exists() and meta_path.exists()) or a.fresh:
@@ -160,10 +165,24 @@ def main(argv=None) -> int:
                         "outputs_match_baseline": rep["outputs_match_baseline"], "train_wall_s": meta["wall_s"],
                         "train_cpu_s": meta["cpu_s"], "settings": meta.get("settings"),
                         "speculators_ran": meta.get("speculators_ran"), "final_loss": meta.get("final_loss"),
-                        "overrides": list(a.set), "train_cmd": " ".join(meta["cmd"]),
+                        "overrides": list(a.set), "spec_loss": a.spec_loss if row == "spec_same" else None,
+                        "train_cmd": " ".join(meta["cmd"]),
                         "eval_cmd": " ".join(ecmd[1:])})
     write_outputs(a, results)
     return 0
+
+
+def run_name(row: str, spec_loss: str) -> str:
+    """A row's run directory: spec_same with another loss than kl_div trains into its own directory (a cached
+    kl_div drafter is never reused for it)."""
+    if row != "spec_same" or spec_loss == "kl_div":
+        return row
+    return f"{row}_" + "".join(ch if ch.isalnum() else "_" for ch in spec_loss).strip("_")
+
+
+def _loss_of(r: dict):
+    """spec_same's loss of a result row (rows written before --spec-loss existed trained with kl_div)."""
+    return r.get("spec_loss") or ("kl_div" if r["row"] == "spec_same" else None)
 
 
 def write_outputs(a, results: list[dict]) -> None:
@@ -173,7 +192,7 @@ def write_outputs(a, results: list[dict]) -> None:
     old = json.loads(js.read_text()) if js.exists() else {"rows": []}
     keep = [r for r in old.get("rows", []) if not any(
         r["row"] == n["row"] and r["target"] == n["target"] and r["steps"] == n["steps"] and r["seed"] == n["seed"]
-        and r.get("overrides", []) == n["overrides"] for n in results)]
+        and r.get("overrides", []) == n["overrides"] and _loss_of(r) == _loss_of(n) for n in results)]
     allrows = keep + results
     spec_version = "0.9.0"
     write_json(js, {"speculators_version": spec_version, "rows": allrows})
@@ -182,7 +201,8 @@ def write_outputs(a, results: list[dict]) -> None:
              "greedy == AR |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in allrows:
         acc = list(r["acceptance_per_position"]) + [None] * 4
-        row = " ".join([r["row"], *r.get("overrides", [])])
+        row = " ".join([r["row"] + ("" if _loss_of(r) in (None, "kl_div") else f" (loss {_loss_of(r)})"),
+                        *r.get("overrides", [])])
         lines.append(f"| {Path(r['target']).name} | {row} | {r['tau']:.2f} | {r['alpha']:.2f} | "
                      + " | ".join("" if x is None else f"{x:.2f}" for x in acc[:4])
                      + f" | {r['steps']} x {r['batch_size']} | {r['train_wall_s']:.0f} | {r['train_cpu_s']:.0f} | "
@@ -246,7 +266,7 @@ def train_speculators(a, row: str, run_dir: Path) -> int:
             ec.norm_before_residual), norm_before_fc=bool(ec.norm_before_fc), fc_norm=bool(ec.fc_norm),
             norm_output=bool(ec.norm_output), optimizer=str(tc.optimizer), lr=float(tc.lr), betas=list(tc.betas),
             weight_decay=float(tc.weight_decay), schedule=f"drafttrain warm-up {tc.warmup_steps} + cosine to "
-            f"{tc.min_lr_ratio} x lr", grad_clip=float(tc.grad_clip), loss="kl_div")
+            f"{tc.min_lr_ratio} x lr", grad_clip=float(tc.grad_clip), loss=str(a.spec_loss))
         if tc.optimizer == "muon":  # drafttrain's Muon settings (drafttrain/training/optim.py)
             from drafttrain.training.optim import MUON_ADJUST_LR_FN
 
@@ -278,7 +298,7 @@ def train_speculators(a, row: str, run_dir: Path) -> int:
     n_train = sum(p.numel() for p in spec.parameters() if p.requires_grad)
     print(f"[peer] {row}: speculators Eagle3DraftModel, {n_train / 1e6:.3f}M trainable params, taps {taps}, "
           f"draft vocab {c.draft_vocab_size}", flush=True)
-    loss_config = resolve_loss_config("kl_div", "eager")
+    loss_config = resolve_loss_config(st["loss"], "eager")
 
     if same:
         if st["optimizer"] == "muon":  # speculators' own Muon / AdamW split, at drafttrain's settings and betas
