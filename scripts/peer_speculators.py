@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         if not (drafter.exists() and meta_path.exists()) or a.fresh:
             run.mkdir(parents=True, exist_ok=True)
             print(f"[peer] {row}: training: {' '.join(cmd[1:])}", flush=True)
-            wall, cpu = cpu_seconds_of(cmd, base / f"{row}.train.log", env_for(a, row != "drafttrain"))
+            wall, cpu = cpu_seconds_of(cmd, base / f"{run.name}.train.log", env_for(a, row != "drafttrain"))
             extra = json.loads(meta_path.read_text()) if meta_path.exists() else {}
             meta_path.write_text(json.dumps({**extra, "wall_s": wall, "cpu_s": cpu, "cmd": cmd[1:]}, indent=1))
         meta = json.loads(meta_path.read_text())
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                 f"hydra.run.dir={ev}"]
         if not (ev / "report.json").exists() or a.fresh:
             print(f"[peer] {row}: eval: {' '.join(ecmd[1:])}", flush=True)
-            cpu_seconds_of(ecmd, base / f"{row}.eval.log", env_for(a, False))
+            cpu_seconds_of(ecmd, base / f"{run.name}.eval.log", env_for(a, False))
         rep = json.loads((ev / "report.json").read_text())
         results.append({"row": row, "description": DESCRIPTION[row], "target": rep["target"], "steps": a.steps,
                         "batch_size": a.batch_size, "seed": a.seed, "tau": rep["tau"], "alpha": rep["alpha"],
