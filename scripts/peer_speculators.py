@@ -8,19 +8,18 @@
 Rows (one process each, one thread, run one after the other):
 
 - ``drafttrain``: ``train.py recipe=eagle3`` (drafttrain's defaults) with the protocol's data and budget.
-- ``spec_same``: speculators' ``Eagle3DraftModel`` (its model class: fc / fc_norm / input_norm, its Llama first
-  layer with hidden_norm, its TTT unroll with its dense document + diagonal masks, its frozen target lm_head
-  rows, its teacher ``verifier_lm_head(verifier_norm(last hidden))``) and its loss (``compute_metrics`` ->
-  ``compound_loss`` with the eager ``kl_div``, or the loss ``--spec-loss`` names, e.g. ``ce``: hard labels on the
-  target's argmax; such a row trains into ``spec_same_<loss>/``), fed by speculators' own ``shift_batch`` +
-  ``CollateFn`` (one packed row per step), with drafttrain's hyper-parameters: the same 16 conversations per
-  optimizer step in the same order (drafttrain.training.batching), the same target features (the 3 taps, HF
-  ``hidden_states`` indices, and the last decoder layer's output before the final norm, as vLLM hands
-  speculators), the same draft vocabulary (d2t / t2d), architecture (1 Llama layer sized like drafttrain's), norms (fc_norm,
-  norm_output on; norm_before_residual, norm_before_fc off), TTT 7, step decay 0.8, drafttrain's optimizer
-  (``train.optimizer``: AdamW with its lr / betas / weight decay; ``muon``: torch's Muon over speculators' own
-  Muon split at drafttrain's muon_lr / momentum, AdamW on the rest), its warm-up + cosine schedule, gradient
-  clip, seed.
+- ``spec_same``: speculators' ``Eagle3DraftModel`` (its model class: fc / fc_norm / input_norm, its Llama first layer
+  with hidden_norm, its TTT unroll with its dense document + diagonal masks, its frozen target lm_head rows, its
+  teacher ``verifier_lm_head(verifier_norm(last hidden))``) and its loss (``compute_metrics`` -> ``compound_loss``
+  with the eager ``kl_div``, or the loss ``--spec-loss`` names, e.g. ``ce``: hard labels on the target's argmax; such
+  a row trains into ``spec_same_<loss>/``), fed by speculators' own ``shift_batch`` + ``CollateFn`` (one packed row
+  per step), with drafttrain's hyper-parameters: the same 16 conversations per optimizer step in the same order
+  (drafttrain.training.batching), the same target features (the 3 taps, HF ``hidden_states`` indices, and the last
+  decoder layer's output before the final norm, as vLLM hands speculators), the same draft vocabulary (d2t / t2d),
+  architecture (1 Llama layer sized like drafttrain's), norms (fc_norm, norm_output on; norm_before_residual,
+  norm_before_fc off), TTT 7, step decay 0.8, drafttrain's optimizer (``train.optimizer``: AdamW with its lr / betas /
+  weight decay; ``muon``: torch's Muon over speculators' own Muon split at drafttrain's muon_lr / momentum, AdamW on
+  the rest), its warm-up + cosine schedule, gradient clip, seed.
 - ``spec_defaults``: the same model, loss and data, with speculators' own eagle3 defaults
   (speculators.train.config.schema): TTT 3, decay 1.0, norm_before_residual + norm_before_fc + norm_output
   on, fc_norm off, Muon (2-D weights) + AdamW (the rest) via ``speculators.train.optimizers.build_optimizers``,
