@@ -42,7 +42,7 @@ from .io import DraftTrainError, check_state_dict, load_tensors, read_json
 
 __all__ = [
     "CONFIG_NAME", "WEIGHTS_NAME", "TYPE_KEY", "TARGET_KEY", "EAGLE3_TYPE", "MEDUSA_TYPE", "MEDUSA2_TYPE",
-    "DRAFT_MODEL_TYPE", "DRAFTER_TYPES", "RENAMED_TYPES", "HEADS_KEY", "ADAPTER_KEY", "HEADS_DIR", "ADAPTER_DIR",
+    "DRAFT_MODEL_TYPE", "DFLASH_TYPE", "DRAFTER_TYPES", "RENAMED_TYPES", "HEADS_KEY", "ADAPTER_KEY", "HEADS_DIR", "ADAPTER_DIR",
     "DRAFTER_SUBDIR", "saved_type", "recorded_target",
     "drafter_type", "is_checkpoint", "drafter_dir", "load_drafter", "load_medusa", "load_medusa_heads",
     "load_eagle3", "load_draft_lm", "load_draft_model", "exported_layout", "exported_target",
@@ -59,7 +59,8 @@ EAGLE3_TYPE = "eagle3"  # Eagle3Drafter: config.json (+ Eagle3DrafterConfig fiel
 MEDUSA_TYPE = "medusa"  # MedusaHeads: vLLM's Medusa layout (config.json + model.safetensors)
 MEDUSA2_TYPE = "medusa2"  # config.json pointing at HEADS_DIR (a medusa directory) and ADAPTER_DIR (peft LoRA)
 DRAFT_MODEL_TYPE = "draft_model"  # a plain HF causal LM directory (save_pretrained) + the target's tokenizer
-DRAFTER_TYPES = (EAGLE3_TYPE, MEDUSA_TYPE, MEDUSA2_TYPE, DRAFT_MODEL_TYPE)
+DFLASH_TYPE = "dflash"  # DFlashDrafter: config.json (+ DFlashDrafterConfig fields) + model.safetensors (no embedding/head)
+DRAFTER_TYPES = (EAGLE3_TYPE, MEDUSA_TYPE, MEDUSA2_TYPE, DRAFT_MODEL_TYPE, DFLASH_TYPE)
 RENAMED_TYPES = {"draft_lm": DRAFT_MODEL_TYPE}  # drafter_type values older saves carry, read as today's
 HEADS_KEY, ADAPTER_KEY = "heads", "adapter"  # medusa2 config.json keys naming its two subdirectories
 HEADS_DIR, ADAPTER_DIR = "heads", "adapter"  # their names (also draft_model's adapter/ with distill.use_lora)
@@ -80,8 +81,10 @@ def saved_type(cfg: dict) -> str | None:
 
 
 def drafter_type(path) -> str | None:
-    """The ``drafter_type`` of the saved drafter at ``path`` (None for an exported EAGLE-3 layout)."""
-    return saved_type(read_json(Path(path) / CONFIG_NAME))
+    """The ``drafter_type`` of the saved drafter at ``path`` (None for an exported EAGLE-3 layout; ``dflash`` for
+    a DFlash export)."""
+    cfg = read_json(Path(path) / CONFIG_NAME)
+    return saved_type(cfg) or (DFLASH_TYPE if exported_dflash(cfg) else None)
 
 
 def recorded_target(path) -> str | None:
@@ -146,6 +149,8 @@ def load_drafter(path: str, device, target_model=None):
     (``draft_model``). Medusa drafters are loaded with their target (:func:`load_medusa`)."""
     cfg = read_json(Path(path) / CONFIG_NAME)
     kind = saved_type(cfg)
+    if kind == DFLASH_TYPE or kind is None and exported_dflash(cfg):  # it borrows the target's embedding and head
+        return load_dflash(path, target_model, device)
     if kind is None and exported_layout(cfg):  # `drafttrain export` output (vLLM / SGLang / TRT-LLM EAGLE-3 layouts)
         return load_exported_eagle3(path, target_model=target_model, device=device)
     if kind == EAGLE3_TYPE:
@@ -158,6 +163,32 @@ def load_drafter(path: str, device, target_model=None):
         raise DraftTrainError(f"{path}: a {kind} drafter is loaded with its target (drafttrain.artifacts."
                               "load_medusa)")
     raise DraftTrainError(f"{path}/{CONFIG_NAME}: unknown drafter_type {kind!r}")
+
+
+def exported_dflash(config: dict) -> str | None:
+    """``zlab`` / ``speculators`` for a DFlash export's config.json (drafttrain.export.dflash), else None."""
+    if config.get("speculators_model_type") == "dflash":
+        return "speculators"
+    if "DFlashDraftModel" in (config.get("architectures") or []) and isinstance(config.get("dflash_config"), dict):
+        return "zlab"
+    return None
+
+
+def load_dflash(path, target_model, device=None):
+    """A DFlash drafter (drafttrain's own save, or a z-lab / speculators export read back) bound to
+    ``target_model``, whose embedding and lm_head it borrows."""
+    from .drafters.dflash import DFlashDrafter
+
+    if target_model is None:
+        raise DraftTrainError(f"{path}: a DFlash drafter borrows its target's embedding and lm_head: load it "
+                              "with its target")
+    cfg = read_json(Path(path) / CONFIG_NAME)
+    if saved_type(cfg) == DFLASH_TYPE:
+        return DFlashDrafter.from_pretrained(path, device=device, target_model=target_model)
+    from .export.dflash import read_dflash_export
+
+    config, sd = read_dflash_export(Path(path), cfg, target_model)
+    return DFlashDrafter.from_state(config, sd, Path(path) / WEIGHTS_NAME, device).bind_target(target_model)
 
 
 def load_draft_lm(path, device):

@@ -74,10 +74,10 @@ EAGLE3_LOSSES = ("ce", "tv", "lk_hybrid")  # drafttrain.losses.EAGLE3_LOSSES (a 
 BUILTIN_KINDS = ("code", "docs")  # drafttrain.targets.builtin: the built-in targets
 # data.format: the row shapes of training data (drafttrain.data.chat.FORMATS; auto = detected from the columns)
 DATA_FORMATS = ("auto", "sharegpt", "ultrachat", "magpie", "openai")
-TRAIN_METHODS = ("eagle3", "medusa", "medusa2", "draft_model")
+TRAIN_METHODS = ("eagle3", "medusa", "medusa2", "draft_model", "dflash")
 # names older releases used (saved checkpoints carry them; loading maps them, the command line refuses them)
 RENAMED_METHODS = {"distill": "draft_model"}
-DECODE_METHODS = ("ar", "eagle3", "medusa", "draft_model", "pld", "oracle")
+DECODE_METHODS = ("ar", "eagle3", "medusa", "draft_model", "pld", "oracle", "dflash")
 CACHE_KINDS = ("auto", "static", "dynamic")
 BENCH_METHODS = ("ar", "draft_model", "pld", "pld_tree", "eagle3", "eagle3_tree")
 # static_shapes: the padded forward sizes (the same tuple as drafttrain.decoding.target.DEFAULT_BUCKETS, the
@@ -110,11 +110,16 @@ class BuiltinTargetConfig:
     max_files: int = num(0, ge=0)  # 0: every stdlib file
     eval_batches: int = num(8, ge=0)
     seed: int = num(0, ge=0)
+    # a reserved <|mask|> token (the tokenizer's mask_token, its last id): the block-parallel drafters' slot
+    # filler (recipe=dflash); no text contains it
+    mask_token: bool = True
 
     def key(self) -> str:
         fields = dataclasses.asdict(self)
         if fields["kind"] == "code":
             del fields["kind"]  # the field came after the first builds: their cache entries keep their names
+        if not fields["mask_token"]:
+            del fields["mask_token"]  # likewise: builds without the token keep their names
         blob = json.dumps(fields, sort_keys=True) + sys.version.split()[0]
         return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
@@ -239,6 +244,36 @@ class Eagle3Config:
     # decoder drafts (it starts one only after the target has produced a token of the answer); false: also the
     # chains that start inside the prompt and must guess the answer's first tokens
     answer_chains: bool = False
+
+
+@dataclass
+class DFlashConfig:
+    """recipe=dflash: a block-parallel drafter (drafttrain/drafters/dflash.py). One drafter forward drafts a block:
+    the anchor (the last verified token) and block_size - 1 mask tokens, with the target's hidden states at
+    target_layer_ids injected as keys/values into every draft layer; the target's embedding and lm_head, frozen."""
+
+    num_layers: int = num(1, ge=1)  # Qwen3-style draft layers (the published Qwen3 drafts: 5)
+    block_size: int = num(16, ge=2, le=64)  # slot 0 the anchor, slots 1..B-1 drafted in one forward
+    # 0-based target layers whose OUTPUT is tapped (layer i = HF hidden_states[i + 1], z-lab's convention; vLLM's
+    # aux_hidden_state_layer_ids are these + 1); None: num_taps layers spread evenly from 1 to L - 3
+    target_layer_ids: Optional[List[int]] = num(None, ge=0)
+    num_taps: int = num(5, ge=1)
+    # the token filling slots 1..B-1: a real row of the target's embedding, never pad or an end token. None: the
+    # tokenizer's mask_token (the built-in targets' <|mask|>); Qwen3: 151669 (<|MASK|>); Llama-3: a reserved
+    # special token, e.g. 128002 (<|reserved_special_token_0|>)
+    mask_token_id: Optional[int] = num(None, ge=0)
+    num_anchors: int = num(64, ge=1)  # blocks per conversation and step, at random supervised positions
+    # ce: hard labels (the data's next tokens, the target's own answers with data=builtin) | kd: soft cross-entropy
+    # to the target's distribution at each slot (the compact teacher's rows)
+    loss: str = one_of("ce", "ce", "kd")
+    # slot k's weight: decay = exp(-(k-1)/gamma) (DFlash's); dpace = D-PACE's detached per-position weights
+    # (arXiv 2605.18810: sum over m >= k of prod_{i<=m} ((1-alpha) q_i + alpha), q_i the drafter's probability
+    # of the right token at slot i)
+    slot_weights: str = one_of("decay", "decay", "dpace")
+    loss_gamma: Optional[float] = num(None, gt=0)  # None: from block_size (8 -> 4, 10 -> 5, 16 -> 7)
+    dpace_alpha: float = num(0.5, ge=0, le=1)
+    intermediate_size: Optional[int] = num(None, ge=1)  # the draft layers' MLP width (None: the target's)
+    init_layer: Optional[int] = num(None, ge=-1)  # initialise the draft layers from this target layer (-1: last)
 
 
 @dataclass
@@ -442,6 +477,7 @@ class TrainJob:
     eagle3: Eagle3Config = field(default_factory=Eagle3Config)
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    dflash: DFlashConfig = field(default_factory=DFlashConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -639,7 +639,8 @@ def _recorded_target(job) -> str | None:
     return recorded_target(job.drafter)
 
 
-_IMPLIED_METHOD = {"eagle3": "eagle3", "medusa": "medusa", "medusa2": "medusa", "draft_model": "draft_model"}
+_IMPLIED_METHOD = {"eagle3": "eagle3", "medusa": "medusa", "medusa2": "medusa", "draft_model": "draft_model",
+                   "dflash": "dflash"}
 
 
 def _load_job_drafter(job, model, tname: str, recorded: str | None):
@@ -697,7 +698,7 @@ def run_eval(job, run_dir: Path) -> dict:
     drafter = extra = None
     if job.drafter:
         model, drafter, extra = _load_job_drafter(job, model, tname, recorded)
-    if drafter is None and job.decode.method in ("eagle3", "medusa"):
+    if drafter is None and job.decode.method in ("eagle3", "medusa", "dflash"):
         raise DraftTrainError(f"decode.method={job.decode.method} needs drafter=<saved drafter directory>")
     convs, extra = _job_prompts(job, model, tokenizer, tname, extra)
     if drafter is not None:

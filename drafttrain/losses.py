@@ -8,6 +8,9 @@
 - Medusa heads: head k at t predicts x_{t+2+k} (:func:`medusa_valid_mask`); per-head CE and top-1/top-k sums
   (:func:`medusa_head_stats`), head weights (:func:`medusa_head_weights`); :func:`medusa_loss` is the
   one-batch form (means over the batch's own tokens).
+- DFlash blocks: slot k of the block at anchor p predicts x_{p+k} (:func:`dflash_slot_stats`: per-slot sums,
+  the greedy prefix acceptance), slot weights exp(-(k-1)/gamma) (:func:`dflash_slot_weights`) or D-PACE's
+  (:func:`dpace_weights`).
 - Distillation: per-token divergences between teacher and student logits (``fkl``, ``rkl``, ``jsd``, ``tvd``:
   :data:`KD_KINDS`), their masked mean or weighted mix :func:`kd_loss` (also the Medusa-2 self-distillation
   KL, training/medusa.py), and the plain next-token CE baseline :func:`ce_loss`, both over the positions of
@@ -37,7 +40,7 @@ from .data.vocab import d2t_target_ids
 
 __all__ = ["eagle3_valid_mask", "eagle3_step_stats", "eagle3_aligned", "combine_step_losses", "step_weights",
            "same_document", "feature_regression_sum", "Eagle3Teacher", "teacher_from_logits", "teacher_from_hidden",
-           "EAGLE3_LOSSES", "soft_cross_entropy"]
+           "EAGLE3_LOSSES", "soft_cross_entropy", "dflash_slot_weights", "dpace_weights", "dflash_slot_stats"]
 
 # EAGLE-3 step losses: soft cross-entropy to the renormalised teacher on the draft vocabulary (EAGLE-3's
 # own, = forward KL up to a constant), total variation to the full teacher (1 - the acceptance
@@ -732,3 +735,55 @@ def ce_loss(
     with torch.no_grad():
         top1 = (x.argmax(-1) == y).sum().float()
     return loss_sum / count.clamp_min(1.0), {"loss_sum": loss_sum, "count": count, "top1_sum": top1}
+
+
+# ------------------------------------------------------------------------------------------------ DFlash
+# A block of size B at anchor column p: slot k (1..B-1) predicts x_{p+k}; its teacher (loss=kd) is the target's
+# distribution at p+k-1. Slot 0 (the anchor) is never scored.
+
+
+def dflash_slot_weights(block_size: int, gamma: float) -> list[float]:
+    """DFlash's slot weights exp(-(k-1)/gamma) for k = 1..B-1 (index 0 = slot 1)."""
+    return [math.exp(-(k - 1) / float(gamma)) for k in range(1, int(block_size))]
+
+
+def dpace_weights(q_right: torch.Tensor, valid: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """D-PACE's per-position weights (arXiv 2605.18810), detached: for the slots of each block ``[..., S]``,
+    w_j = sum_{m >= j} prod_{i <= m} r_i with r_i = (1 - alpha) q_i + alpha, ``q_right`` the drafter's
+    probability of the right token at slot i; an invalid slot ends the block (r = 0 from there on)."""
+    r = ((1 - alpha) * q_right.detach().float() + alpha) * valid.float()
+    prod = torch.cumprod(r, dim=-1)
+    return torch.flip(torch.cumsum(torch.flip(prod, [-1]), -1), [-1]) * valid.float()
+
+
+def dflash_slot_stats(logits: torch.Tensor, labels: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor,
+                      num_slots: int, slot_weights: torch.Tensor | None = None,
+                      teacher_logits: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Sums per slot over the scored rows of a micro-batch.
+
+    ``logits [N, V]`` (the drafter's, through the target's head) at the ``N`` valid slots, row-major over
+    ``[B, A, S]`` blocks (``valid [B, A, S]`` bool, S = B - 1 slots: index 0 = slot 1), ``labels [N]``,
+    ``slot [N]`` (0-based slot index). ``slot_weights [N]`` multiplies each row's loss (None: 1).
+    ``teacher_logits [N, V]``: soft cross-entropy to softmax(teacher) instead of the hard label.
+    Returns ``loss_sum`` (weighted, a 0-d tensor with grad) and per slot ``loss_sum_k``, ``acc_sum_k``,
+    ``prefix_sum_k`` (the blocks whose slots 1..k are all right: the acceptance a greedy chain gets),
+    ``count_k``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    if teacher_logits is None:
+        per_row = -logp.gather(1, labels[:, None]).squeeze(1)
+    else:
+        per_row = -(torch.softmax(teacher_logits.float(), -1) * logp).sum(-1)
+    w = per_row.new_ones(()) if slot_weights is None else slot_weights
+    out = {"loss_sum": (per_row * w).sum()}
+    with torch.no_grad():
+        right_rows = logits.argmax(-1) == labels
+        right = torch.zeros(valid.shape, dtype=torch.bool, device=valid.device)
+        right[valid] = right_rows.to(valid.device)
+        prefix = torch.cumprod(right.long(), dim=-1).bool()  # slots 1..k all right (an invalid slot breaks it)
+        for k in range(num_slots):
+            sel = slot == k
+            out[f"loss_sum_{k}"] = per_row.detach()[sel].sum()
+            out[f"acc_sum_{k}"] = right[..., k].sum().float()
+            out[f"prefix_sum_{k}"] = prefix[..., k].sum().float()
+            out[f"count_{k}"] = valid[..., k].sum().float()
+    return out

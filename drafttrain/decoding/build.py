@@ -81,6 +81,8 @@ def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, d
             return Eagle3TreeProposer(drafter, max_len=max_len, depth=tree.depth, top_k=tree.top_k,
                                       total_tokens=tree.total_tokens, **static)
         return Eagle3ChainProposer(drafter, max_len=max_len, **static)
+    if method == "dflash":
+        return _dflash_proposer(drafter, decode, max_len, use_tree)
     if method == "medusa":
         if drafter is None:
             raise DraftTrainError("decode.method=medusa needs Medusa heads (drafter=runs/<run>/final)")
@@ -109,7 +111,23 @@ def make_proposer(method: str, drafter=None, decode=None, max_len: int = 4096, d
 
         dm = AutoModelForCausalLM.from_pretrained(decode.draft_model).eval().to(device)
         return DraftModelProposer(dm, max_len=max_len, **static_options(decode, buckets=True))
-    raise DraftTrainError(f"decode.method={method}: expected one of ar, eagle3, medusa, pld, oracle, draft_model")
+    raise DraftTrainError(f"decode.method={method}: expected one of ar, eagle3, medusa, pld, oracle, draft_model, "
+                          "dflash")
+
+
+def _dflash_proposer(drafter, decode, max_len: int, use_tree: bool):
+    """decode.method=dflash: one drafter forward per round; ``decode.num_draft_tokens`` of the block's B-1 slots."""
+    from .dflash_proposer import DFlashProposer
+
+    if drafter is None or not hasattr(drafter, "draft_block"):
+        raise DraftTrainError("decode.method=dflash needs a DFlash drafter (drafter=runs/<run>/final, recipe=dflash)")
+    if use_tree:
+        raise DraftTrainError("decode.method=dflash drafts a chain: decode.tree.enabled=true is not supported")
+    slots = int(drafter.config.block_size) - 1
+    if decode is not None and int(decode.num_draft_tokens) > slots:
+        raise DraftTrainError(f"decode.num_draft_tokens={decode.num_draft_tokens}: this DFlash drafter's block "
+                              f"(block_size {slots + 1}) drafts at most {slots} tokens")
+    return DFlashProposer(drafter, max_len=max_len)
 
 
 def target_taps(method: str, drafter=None, model=None) -> tuple[int, ...] | None:
@@ -117,6 +135,8 @@ def target_taps(method: str, drafter=None, model=None) -> tuple[int, ...] | None
     heads the last hidden state ``hidden_states[L]`` of ``model`` (post-norm in transformers 5); else None."""
     if method == "eagle3":
         return tuple(drafter.config.tap_layers)
+    if method == "dflash":  # 0-based layer outputs -> HF hidden_states indices
+        return tuple(drafter.config.hf_taps)
     if method == "medusa":
         from ..targets.load import num_layers
 

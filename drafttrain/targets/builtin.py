@@ -33,6 +33,10 @@ from ..config import BuiltinTargetConfig
 from ..io import DraftTrainError, atomic_dir, write_json
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+# A reserved token that no text contains: block-parallel drafters (recipe=dflash) fill a block's slots 1..B-1
+# with its embedding row, as Qwen3's <|MASK|>. Added after the BPE is trained (the merges are the ones a build
+# without it learns), as the last id; the tokenizer names it ``mask_token``.
+MASK_TOKEN = "<|mask|>"
 
 # Each message is "<|role|>{content}<|end|>": special tokens on both sides of the content, so the content
 # tokenises the same in training and after a generation prompt (no BPE merge across the boundary). The
@@ -114,8 +118,20 @@ def builtin_small_draft(target_cfg) -> Path:
     return ensure_builtin_target(spec)
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE trained on ``texts``, wrapped as a transformers fast tokenizer with the chat template."""
+def _reserve_mask(tok, mask_token: bool) -> dict:
+    """Add :data:`MASK_TOKEN` to the trained ``tokenizers.Tokenizer`` as its last id (``mask_token`` kwarg for
+    the transformers wrapper), or nothing."""
+    if not mask_token:
+        return {}
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(MASK_TOKEN, special=True, normalized=False)])
+    return {"mask_token": MASK_TOKEN}
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, mask_token: bool = False):
+    """Byte-level BPE trained on ``texts``, wrapped as a transformers fast tokenizer with the chat template;
+    ``mask_token``: plus the reserved :data:`MASK_TOKEN` as the last id."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -129,8 +145,10 @@ def train_tokenizer(texts: list[str], vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    extra = _reserve_mask(tok, mask_token)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
+        **extra,
         bos_token="<|bos|>",
         eos_token="<|end|>",
         pad_token="<|pad|>",
@@ -140,7 +158,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     )
 
 
-def train_metaspace_tokenizer(texts: list[str], vocab_size: int):
+def train_metaspace_tokenizer(texts: list[str], vocab_size: int, mask_token: bool = False):
     """SentencePiece-style BPE (``▁`` for spaces, byte fallback for what the vocabulary lacks, newlines kept
     apart) trained on ``texts``, with ChatML; eos ``<|im_end|>``, pad ``<|endoftext|>``, no BOS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -156,8 +174,10 @@ def train_metaspace_tokenizer(texts: list[str], vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML_SPECIAL_TOKENS + byte_tokens,
                                   initial_alphabet=[], show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
+    extra = _reserve_mask(tok, mask_token)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
+        **extra,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         chat_template=CHATML_TEMPLATE,
@@ -246,7 +266,8 @@ def _build_builtin_target(out_dir: Path, spec: BuiltinSpec, quiet: bool) -> dict
     torch.manual_seed(spec.seed)
     rng = random.Random(spec.seed)
     texts, chats, eval_texts, eval_chats = _corpus(spec)
-    tokenizer = (train_metaspace_tokenizer if spec.kind == "docs" else train_tokenizer)(texts, spec.vocab_size)
+    tokenizer = (train_metaspace_tokenizer if spec.kind == "docs" else train_tokenizer)(
+        texts, spec.vocab_size, mask_token=spec.mask_token)
     config = _model_config(spec, tokenizer)
     model = AutoModelForCausalLM.from_config(config)
     model.train()

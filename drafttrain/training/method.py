@@ -21,6 +21,7 @@ METHODS = {
     "medusa": ("medusa", "MedusaMethod", "medusa"),
     "medusa2": ("medusa", "MedusaMethod", "medusa"),
     "draft_model": ("draft_model", "DraftModelMethod", "distill"),
+    "dflash": ("dflash", "DFlashMethod", "dflash"),
 }
 
 
