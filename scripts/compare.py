@@ -2,7 +2,7 @@
 """Compare drafter families on one target with the same training budget and the same decoder settings.
 
     python scripts/compare.py                       # the built-in target, defaults below
-    python scripts/compare.py --steps 300 --num-train 1024 --out bench/compare.md
+    python scripts/compare.py --steps 300 --num-train 1024 --out bench/notebook/compare.md
 
 Every trained method runs ``train.py recipe=<recipe>`` (one process; ``accelerate launch`` gives the same
 result) with the same data (``data=builtin``: target-regenerated training chats, held-out eval prompts), the
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("-K", "--num-draft-tokens", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="OMP/torch threads per run (1 is fastest on shared cores)")
     ap.add_argument("--runs", default=str(REPO / "runs" / "compare"), help="run directories go here")
-    ap.add_argument("--out", default=str(REPO / "bench" / "compare.md"))
+    ap.add_argument("--out", default=str(REPO / "bench" / "notebook" / "compare.md"))
     ap.add_argument("--png", default=None, help="default: <out without .md>.png")
     ap.add_argument("--fresh", action="store_true", help="retrain even if a run's report.json exists")
     ap.add_argument("--tree", default="medusa1",

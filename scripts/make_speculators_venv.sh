@@ -7,7 +7,7 @@
 # speculators pins transformers<=5.19 and pulls torchvision / torchaudio (whose import breaks against the main
 # environment's torch 2.13.0+cpu), so it is installed with --no-deps into a --target directory, plus only the
 # packages its eagle3 model / loss / optimizer modules import that the main environment lacks. torch,
-# transformers (5.24.0 here: outside speculators' pin, see bench/peer_speculators.md), pydantic, datasets,
+# transformers (5.24.0 here: outside speculators' pin, see bench/notebook/peer_speculators.md), pydantic, datasets,
 # safetensors, ... come from the main environment. No torch is downloaded.
 # A wheel already downloaded (e.g. /tmp/specdl/speculators-0.9.0-py3-none-any.whl) is used when present.
 set -euo pipefail

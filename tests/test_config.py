@@ -174,7 +174,7 @@ def test_recipes_state_only_what_differs_from_the_schema(recipe):
 
 
 def test_the_builtin_data_is_half_sampled_for_capture_and_every_recipe():
-    """data=builtin: half the answers sampled at T 0.7, half greedy (bench/training_quality.md section 2), one
+    """data=builtin: half the answers sampled at T 0.7, half greedy (bench/notebook/training_quality.md section 2), one
     definition: `drafttrain capture` and every recipe read the same rows, so offline features match online
     training (tests/test_capture.py)."""
     datas = [_compose("capture", ["capture.path=x"]).data] + [_compose("train", [f"recipe={r}"]).data

@@ -6,7 +6,7 @@ backends (vLLM prefills up to 8 rows together: the batch > 1 case where speculat
 states). Per token, the three stored taps and the last hidden state agree within ``REL`` of that token's
 largest HF value: both sides are fp32, but vLLM runs its own kernels (fused residual-add + RMSNorm, its CPU
 attention and GEMMs, other reduction orders), so they differ by rounding only (measured ~1e-6 relative;
-bench/capture_vllm.md). A tap one layer off differs by ~10% or more, which the test checks too (the tolerance
+bench/notebook/capture_vllm.md). A tap one layer off differs by ~10% or more, which the test checks too (the tolerance
 bites). Then: a rerun after losing one shard recomputes only that shard, and an EAGLE-3 trained from either
 store follows the same loss curve. Target: the engine tier's built-in variant (tests/test_engine_vllm.py SPEC:
 vLLM's CPU attention needs a head size of 32, not the default 48).

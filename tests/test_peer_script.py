@@ -1,4 +1,4 @@
-"""scripts/peer_speculators.py's bookkeeping (the training rows need speculators and run as a benchmark)."""
+"""scripts/lab/peer_speculators.py's bookkeeping (the training rows need speculators and run as a benchmark)."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,7 +7,7 @@ from .conftest import REPO
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("peer_speculators", REPO / "scripts" / "peer_speculators.py")
+    spec = importlib.util.spec_from_file_location("peer_speculators", REPO / "scripts" / "lab" / "peer_speculators.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -2,8 +2,8 @@
 """Peer comparison: drafttrain's EAGLE-3 trainer against speculators' (vLLM project) ``Eagle3DraftModel``.
 
     scripts/make_speculators_venv.sh /tmp/spec_site          # speculators 0.9.0 importable beside the main env
-    DRAFTTRAIN_CACHE=/tmp/dtcache OMP_NUM_THREADS=1 python scripts/peer_speculators.py --target builtin \
-        --steps 100 --spec-path /tmp/spec_site --runs /tmp/peer --out bench/peer_speculators.md
+    DRAFTTRAIN_CACHE=/tmp/dtcache OMP_NUM_THREADS=1 python scripts/lab/peer_speculators.py --target builtin \
+        --steps 100 --spec-path /tmp/spec_site --runs /tmp/peer --out bench/notebook/peer_speculators.md
 
 Rows (one process each, one thread, run one after the other):
 
@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from drafttrain.io import write_json  # noqa: E402
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-path", default="/tmp/spec_site", help="directory with speculators 0.9.0 importable "
                     "(scripts/make_speculators_venv.sh)")
     ap.add_argument("--runs", default="/tmp/peer")
-    ap.add_argument("--out", default=str(REPO / "bench" / "peer_speculators.md"))
+    ap.add_argument("--out", default=str(REPO / "bench" / "notebook" / "peer_speculators.md"))
     ap.add_argument("--fresh", action="store_true", help="retrain rows whose drafter exists")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a Hydra override for every row's settings (repeatable), e.g. train.warmup_steps=20")

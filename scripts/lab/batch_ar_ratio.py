@@ -2,7 +2,7 @@
 held-out prompts of the built-in target, up to 64 new tokens, greedy, 2 threads, passes interleaved.
 
     DRAFTTRAIN_CACHE=/tmp/dtcache REPS=4 OUT=bench/results/batch_ar_ratio_grouped_sdpa.json \
-        python scripts/batch_ar_ratio.py
+        python scripts/lab/batch_ar_ratio.py
 """
 import os, time, statistics, json, torch
 from drafttrain.config import EvalJob

@@ -1,13 +1,13 @@
 """τ per category on the standard evaluation sets for the built-in target: EAGLE-3, Medusa-1, the draft model and
 prompt lookup, each through `drafttrain eval eval.set=…` (the per-category table of drafttrain.evalsets).
 
-    python scripts/evalsets_bench.py --out /tmp/evalsets --sets humaneval \
+    python scripts/lab/evalsets_bench.py --out /tmp/evalsets --sets humaneval \
         /work/shared/evalsets/spec_bench/question.jsonl --per-category 0 5 --max-new-tokens 64
 
 Trains each family with its recipe's defaults (`drafttrain train recipe=<r>`, same built-in data and seed; skip
 with --drafters name=dir), then evaluates every drafter on every set with the same decode settings (greedy, K=4,
 chain, one timed pass: τ and α are exact counts; the speedups are single CPU passes on a shared machine and only
-indicative). Writes <out>/evalsets.json and prints a markdown table per set (bench/evalsets.md holds one run).
+indicative). Writes <out>/evalsets.json and prints a markdown table per set (bench/notebook/evalsets.md holds one run).
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ speculative output must equal the AR output of the same mode token for token, an
 must validate against its schema. Writes the markdown table into ``--out`` (between the ``<!-- table -->``
 markers of an existing file, else a new file) and the raw numbers to ``--json``.
 
-    DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/structured_compare.py \\
-        --eagle3 runs/s7-eagle3/final --medusa runs/s7-medusa/final --out bench/structured.md
+    DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/lab/structured_compare.py \\
+        --eagle3 runs/s7-eagle3/final --medusa runs/s7-medusa/final --out bench/notebook/structured.md
 
 Structured training data for a drafter (the target's own constrained answers on the ``draft`` split, which
 the eval split never overlaps) is written with ``--write-train-data rows.jsonl --train-rows N`` (and nothing
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from drafttrain.config import DecodeConfig, TargetConfig, TreeConfig  # noqa: E402
@@ -57,7 +57,7 @@ def parse_args(argv=None):
     ap.add_argument("--tree-nodes", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(REPO / "bench" / "structured.md"))
+    ap.add_argument("--out", default=str(REPO / "bench" / "notebook" / "structured.md"))
     ap.add_argument("--json", default=str(REPO / "runs" / "structured_compare.json"))
     ap.add_argument("--write-train-data", help="write structured training rows (draft split) here and exit")
     ap.add_argument("--train-rows", type=int, default=128)
@@ -180,7 +180,7 @@ def table(result) -> str:
     return "\n".join(lines)
 
 
-BEGIN, END = "<!-- table:begin (scripts/structured_compare.py) -->", "<!-- table:end -->"
+BEGIN, END = "<!-- table:begin (scripts/lab/structured_compare.py) -->", "<!-- table:end -->"
 
 
 def with_table(path: Path, md: str, result: dict) -> str:
@@ -226,7 +226,7 @@ def main(argv=None):
               "tree": {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_nodes},
               "drafters": {"eagle3": args.eagle3, "eagle3_extra": args.eagle3_extra, "medusa": args.medusa,
                            "draft_model": args.draft_model},
-              "threads": args.threads, "command": "python scripts/structured_compare.py " + shlex.join(
+              "threads": args.threads, "command": "python scripts/lab/structured_compare.py " + shlex.join(
                   sys.argv[1:] if argv is None else argv), "modes": {}}
     for mode, grammar in (("none", "none"), ("schema", None)):
         plan = grammar_plan(grammar, examples, len(prompts))  # none: unconstrained, still validated per row

@@ -1,6 +1,6 @@
 """Speedup against batch size for several drafters on the built-in target (issue 17's benchmark).
 
-    DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/batch_bench.py --out /tmp/batch \
+    DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/lab/batch_bench.py --out /tmp/batch \
         --drafters eagle3=<eagle3 run>/final draft_model=<draft_model run>/final pld \
         --batch-sizes 1 2 4 8 16 32 --prompts 128 --max-new-tokens 64
 
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 

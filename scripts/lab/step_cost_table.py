@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The README's "What a training step costs" table: the printed ``speed:`` line of a short EAGLE-3 run per setting.
 
-    DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/step_cost_table.py --runs /tmp/sc --out /tmp/sc/result.json
+    DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/lab/step_cost_table.py --runs /tmp/sc --out /tmp/sc/result.json
 
 Each setting runs ``train.py recipe=eagle3 train.max_steps=8`` (one torch thread, ``--parallel`` runs at a time)
 and reports the s/step, the share in the target forward and the real tokens per step the run printed after its
@@ -18,7 +18,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 SETTINGS = {
     "default": [],

@@ -2,8 +2,8 @@
 """Where one training step's CPU time goes: target forward + teacher (capture), the drafter's forward (TTT
 attention, head, loss) and the backward, on real micro-batches of a target's training data.
 
-    DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/profile_train_step.py --steps 6 --out bench/results/profile_eagle3.json
-    python scripts/profile_train_step.py target=<dir> data=<chats.jsonl>         # any target / data
+    DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/lab/profile_train_step.py --steps 6 --out bench/results/profile_eagle3.json
+    python scripts/lab/profile_train_step.py target=<dir> data=<chats.jsonl>         # any target / data
 
 Runs the method exactly as the training loop does (same batches for step s, packed or not by
 train.packing), one thread; reports the mean seconds per micro-batch of each phase over --steps steps
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 

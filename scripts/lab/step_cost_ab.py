@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU cost of a training step, old code against new, side by side (issue: training throughput).
 
-    DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/step_cost_ab.py --old /tmp/old --recipe eagle3 \
+    DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/lab/step_cost_ab.py --old /tmp/old --recipe eagle3 \
         --steps 30 --reps 2 --out bench/results/step_cost_eagle3.json
 
 ``--old`` is a checkout of the baseline revision (``git worktree add /tmp/old <rev>``); the new code is this
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 

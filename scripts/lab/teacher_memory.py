@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Peak memory of one EAGLE-3 training step with a large vocabulary: compact teacher against full logits.
 
-    python scripts/teacher_memory.py --vocab 128256 --batch 2 --seq 512 --out bench/results/teacher_memory.json
+    python scripts/lab/teacher_memory.py --vocab 128256 --batch 2 --seq 512 --out bench/results/teacher_memory.json
 
 A tiny random Llama target with a V-token vocabulary (the memory of interest is the [B, T, V] teacher);
 each arm runs in its own process (one thread; arms: full logits, compact teacher, + eagle3.checkpoint_head,
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ARMS = ("full", "compact", "compact+checkpoint_head", "compact+checkpoint_head+recompute_teacher")
 
 

