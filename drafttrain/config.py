@@ -502,7 +502,8 @@ class ExportJob:
 
     drafter: str = MISSING  # a saved drafter directory (runs/<run>/final)
     # EAGLE-3: vllm = speculators layout, sglang = flat Eagle3 layout, trtllm = TensorRT-LLM's (PyTorch backend)
-    format: str = one_of(MISSING, "vllm", "sglang", "trtllm", "hf")
+    # DFlash: zlab = the z-lab DFlashDraftModel layout (vLLM, SGLang, TensorRT-LLM), vllm = speculators layout
+    format: str = one_of(MISSING, "vllm", "sglang", "trtllm", "hf", "zlab")
     out: str = MISSING  # the output directory; must not exist or be empty unless overwrite=true
     overwrite: bool = False  # replace a non-empty `out`
     dtype: str = one_of("bfloat16", *STORAGE_DTYPES)  # floating-point tensors

@@ -11,6 +11,10 @@ Medusa-1        ``vllm``: ``model_type: medusa``, ``blocks.{h}.layers.{l}.{weigh
                 (SGLang has no Medusa; TensorRT-LLM runs it only from an engine build).
 Medusa-2        ``vllm``: ``heads/`` in the Medusa-1 layout, ``adapter/`` the target's LoRA adapter (peft),
                 ``config.json`` pointing at both. Serve the target with the adapter merged.
+DFlash          ``zlab`` (also ``sglang``, ``trtllm``): the z-lab ``DFlashDraftModel`` layout vLLM (``method: dflash``),
+                SGLang (``DFLASH``) and TensorRT-LLM (``decoding_type: DFlash``; ``trtllm`` adds
+                ``extra_llm_api_options.yaml``) load; ``vllm``: the speculators layout (``speculators_model_type:
+                dflash``, ``aux_hidden_state_layer_ids`` = the 0-based ids + 1). See export/dflash.py.
 distilled (LM)  ``hf`` (also accepted: ``vllm``, ``sglang``): a plain HF model directory (``save_pretrained``,
                 safetensors) plus the tokenizer when the drafter has one; TensorRT-LLM's draft-target mode
                 loads that directory too (``format=trtllm`` is refused with that hint).
@@ -27,15 +31,15 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts import (ADAPTER_DIR, ADAPTER_KEY, CONFIG_NAME, DRAFT_MODEL_TYPE, DRAFTER_TYPES, EAGLE3_TYPE, HEADS_DIR,
+from ..artifacts import (ADAPTER_DIR, ADAPTER_KEY, CONFIG_NAME, DFLASH_TYPE, DRAFT_MODEL_TYPE, DRAFTER_TYPES, EAGLE3_TYPE, HEADS_DIR,
                          HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE, TRTLLM_LAYOUT, TRTLLM_OPTIONS_NAME, WEIGHTS_NAME,
-                         exported_layout, saved_type)
+                         exported_dflash, exported_layout, saved_type)
 from ..io import DraftTrainError, atomic_dir, read_json, write_json
 from .eagle3 import export_dtype, write_eagle3
 
 __all__ = ["export_drafter", "run_export", "FORMATS"]
 
-FORMATS = ("vllm", "sglang", TRTLLM_LAYOUT, "hf")
+FORMATS = ("vllm", "sglang", TRTLLM_LAYOUT, "hf", "zlab")
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -100,6 +104,14 @@ def export_drafter(drafter: str | os.PathLike, fmt: str, out: str | os.PathLike,
             d = Eagle3Drafter.from_pretrained(src)
             write_eagle3(d, fmt, tmp, dtype=dtype, verifier=verifier or d.config.target_name_or_path,
                          num_speculative_tokens=num_speculative_tokens, final_dir=out)
+        elif kind == DFLASH_TYPE:
+            from ..drafters.dflash import DFlashDrafter
+            from .dflash import write_dflash
+
+            d = DFlashDrafter.from_pretrained(src)
+            write_dflash(d, fmt, tmp, tdtype, verifier or d.config.target_name_or_path, num_speculative_tokens)
+        elif fmt == "zlab":
+            raise DraftTrainError(f"format=zlab: the z-lab layout is DFlash's; drafter={src} is a {kind} drafter")
         elif kind in (MEDUSA_TYPE, MEDUSA2_TYPE):
             if fmt == TRTLLM_LAYOUT:
                 raise DraftTrainError("format=trtllm: Medusa on TensorRT-LLM is engine-build only (its PyTorch "
@@ -130,6 +142,15 @@ def export_drafter(drafter: str | os.PathLike, fmt: str, out: str | os.PathLike,
 
 def serve_hint(kind_dir: Path, fmt: str) -> str:
     cfg = read_json(kind_dir / CONFIG_NAME)
+    if exported_dflash(cfg):
+        k = (cfg.get("block_size") or 16) - 1
+        if fmt == TRTLLM_LAYOUT:
+            return f"trtllm-serve <target> --extra_llm_api_options {kind_dir / TRTLLM_OPTIONS_NAME}"
+        if fmt == "sglang":
+            return (f"python -m sglang.launch_server --model <target> --speculative-algorithm DFLASH "
+                    f"--speculative-draft-model-path {kind_dir} --speculative-num-draft-tokens {k + 1}")
+        return (f"vllm serve <target> --attention-backend flash_attn --speculative-config '{{\"method\": \"dflash\", "
+                f"\"model\": \"{kind_dir}\", \"num_speculative_tokens\": {k}}}'")
     if exported_layout(cfg) == "vllm":
         return f"vllm serve {kind_dir}"
     if exported_layout(cfg) == TRTLLM_LAYOUT:
