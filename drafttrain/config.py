@@ -488,11 +488,13 @@ class TrainJob:
 class CaptureJob:
     """`drafttrain capture`: the target's features over the training data of `data`, written to capture.path."""
 
-    # which features: eagle3 (3 taps + last hidden) | medusa | draft_model (last hidden)
-    method: str = one_of("eagle3", "eagle3", "medusa", "draft_model")
+    # which features: eagle3 (3 taps + last hidden) | medusa | draft_model (last hidden) | dflash (its target
+    # layers' outputs + last hidden)
+    method: str = one_of("eagle3", "eagle3", "medusa", "draft_model", "dflash")
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eagle3: Eagle3Config = field(default_factory=Eagle3Config)  # only eagle3.tap_layers is used here
+    dflash: DFlashConfig = field(default_factory=DFlashConfig)  # only dflash.target_layer_ids / num_taps are used here
     capture: CaptureConfig = field(default_factory=CaptureConfig)
 
 

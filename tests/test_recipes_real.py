@@ -45,8 +45,9 @@ REAL = {  # recipe -> its target preset
     "medusa-llama3.1-8b": "llama3.1-8b-instruct",
     "medusa2-llama3.1-8b": "llama3.1-8b-instruct",
     "draft_model-llama3.3-70b": "llama3.3-70b-instruct",
+    "dflash-qwen3-8b": "qwen3-8b",
 }
-TRAINED = ["eagle3-qwen3-8b", "medusa-llama3.1-8b", "medusa2-llama3.1-8b", "draft_model-llama3.3-70b"]
+TRAINED = ["eagle3-qwen3-8b", "medusa-llama3.1-8b", "medusa2-llama3.1-8b", "draft_model-llama3.3-70b", "dflash-qwen3-8b"]
 
 
 def _family(recipe: str) -> str:
@@ -176,7 +177,7 @@ def test_header_has_the_command_lines(recipe):
     assert export[2:4] == ["drafter=runs/<run>/final", f"format={fmt}"]
     served = [ln for ln in head.splitlines() if ln.startswith("vllm serve") and "--speculative-config" in ln]
     spec = json.loads(shlex.split(served[0])[-1])
-    expect = {"eagle3": "eagle3", "medusa": "medusa", "medusa2": "medusa"}.get(job.method)
+    expect = {"eagle3": "eagle3", "medusa": "medusa", "medusa2": "medusa", "dflash": "dflash"}.get(job.method)
     assert spec.get("method") == expect
     assert spec["model"] == export[4].partition("=")[2] + ("/heads" if job.method == "medusa2" else "")
 
@@ -277,6 +278,8 @@ def _tiny_overrides(recipe, tiny):
     out = [f"recipe={recipe}", f"target={tiny(REAL[recipe])}"]  # the CLI's shorthand for a local target
     if _family(recipe) == "draft_model":
         out.append(f"distill.pretrained={tiny('llama3.2-1b-instruct')}")
+    if _family(recipe) == "dflash":  # the tiny vocabulary has no row 151669 (Qwen3's <|MASK|>): its last row
+        out.append(f"dflash.mask_token_id={TINY_VOCAB - 1}")
     return out
 
 
@@ -307,6 +310,12 @@ def test_recipe_builds_its_drafter_on_a_tiny_model_of_its_target(recipe, tiny):
         assert drafter.heads.vocab_size == TINY_VOCAB
         ranks = {m.r["default"] for m in model.modules() if hasattr(m, "lora_A") and isinstance(m.r, dict)}
         assert ranks == ({32} if job.method == "medusa2" else set())
+    elif job.method == "dflash":  # Qwen3-8B's published draft: 5 layers over taps [1, 9, 17, 25, 33], block 16
+        assert method.layer_ids == [1, 9, 17, 25, 33] and drafter.config.hf_taps == (2, 10, 18, 26, 34)
+        assert drafter.config.num_layers == 5 and drafter.config.block_size == 16
+        assert drafter.fc.in_features == 5 * 64 and drafter.config.vocab_size == TINY_VOCAB
+        assert job.dflash.mask_token_id == TINY_VOCAB - 1
+        assert OmegaConf.to_object(_compose([f"recipe={recipe}"])).dflash.mask_token_id == 151669
     else:
         lm = drafter.lm
         assert lm.config.num_hidden_layers == ARCH["llama3.2-1b-instruct"]["layers"] and lm.config.tie_word_embeddings

@@ -22,16 +22,31 @@ from ..io import DraftTrainError, read_json, write_json
 from ..targets.load import gather_taps
 from . import store as S
 
-FEATURES_BY_METHOD = {"eagle3": ("taps", "last_hidden"), "medusa": ("last_hidden",), "draft_model": ("last_hidden",)}
+FEATURES_BY_METHOD = {"eagle3": ("taps", "last_hidden"), "medusa": ("last_hidden",), "draft_model": ("last_hidden",),
+                      "dflash": ("taps", "last_hidden")}
 
 
-def feature_widths(method: str, hidden_size: int) -> dict[str, int]:
+def capture_taps(job, model) -> tuple[int, ...] | None:
+    """The HF ``hidden_states`` indices a capture job stores as ``taps``: EAGLE-3's three, DFlash's target layers
+    (0-based layer outputs + 1); None for the methods that read only the last hidden state."""
+    from ..targets.load import num_layers, resolve_taps
+
+    if job.method == "eagle3":
+        return resolve_taps(num_layers(model), job.eagle3.tap_layers)
+    if job.method == "dflash":
+        from ..drafters.dflash import resolve_layer_ids
+
+        return tuple(i + 1 for i in resolve_layer_ids(job.dflash, num_layers(model)))
+    return None
+
+
+def feature_widths(method: str, hidden_size: int, num_taps: int = 3) -> dict[str, int]:
     if method not in FEATURES_BY_METHOD:
         extra = " (Medusa-2 trains adapters inside the target: its hidden states change, use capture.mode=online)" \
             if method == "medusa2" else ""
         raise DraftTrainError(f"method={method}: no offline capture for this method{extra}; expected one of "
                               f"{', '.join(FEATURES_BY_METHOD)}")
-    widths = {"taps": 3 * hidden_size, "last_hidden": hidden_size}
+    widths = {"taps": num_taps * hidden_size, "last_hidden": hidden_size}
     return {name: widths[name] for name in FEATURES_BY_METHOD[method]}
 
 
@@ -101,7 +116,7 @@ def _length_batches(indices: Sequence[int], lengths: Sequence[int], batch_size: 
 
 def make_plan(examples: list[dict], method: str, taps, hidden_size: int, dtype: str, shard_mb: float,
               target_name: str) -> dict:
-    widths = feature_widths(method, hidden_size)
+    widths = feature_widths(method, hidden_size, len(taps) if taps else 3)
     bpt = S.bytes_per_token(widths, S.store_dtype(dtype))
     lengths = [len(ex["input_ids"]) for ex in examples]
     if not examples:
@@ -289,7 +304,7 @@ def run_capture_job(job) -> dict:
     drafttrain/config.py), written to ``capture.path``."""
     from accelerate import PartialState
 
-    from ..targets.load import load_target, resolve_device, resolve_taps, num_layers, target_id
+    from ..targets.load import load_target, resolve_device, target_id
     from ..data.select import load_training_data
 
     c = job.capture
@@ -307,7 +322,7 @@ def run_capture_job(job) -> dict:
     tname = target_id(path)
     with state.main_process_first():
         examples, _, dstats = load_training_data(job, model, tokenizer, tname, Path(c.path))
-    taps = resolve_taps(num_layers(model), job.eagle3.tap_layers) if job.method == "eagle3" else None
+    taps = capture_taps(job, model)
     if state.is_main_process:
         print(f"[drafttrain] capture: target {tname}, method {job.method}, data {dstats}, {world} process(es)",
               flush=True)
@@ -328,7 +343,7 @@ def _run_vllm_capture_job(job) -> dict:
 
     from ..data.select import load_training_data
     from ..engines.vllm_check import require_engine_python
-    from ..targets.load import load_target, load_target_parts, num_layers, resolve_taps, target_id
+    from ..targets.load import load_target, load_target_parts, target_id
     from .vllm import VllmSource
 
     c = job.capture
@@ -342,7 +357,7 @@ def _run_vllm_capture_job(job) -> dict:
     model, tokenizer, path = load(job.target, device="cpu")
     tname = target_id(path)
     examples, _, dstats = load_training_data(job, model, tokenizer, tname, Path(c.path))
-    taps = resolve_taps(num_layers(model), job.eagle3.tap_layers) if job.method == "eagle3" else None
+    taps = capture_taps(job, model)
     say(f"capture: target {tname}, method {job.method}, data {dstats}, backend vllm")
     source = VllmSource(model, path, examples, Path(c.path), batch_size=c.batch_size, say=say)
     stats = run_capture(None, examples, c.path, method=job.method, taps=taps, dtype=c.dtype, batch_size=c.batch_size,

@@ -39,6 +39,7 @@ from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_t
 from drafttrain.targets.load import text_config
 
 __all__ = ["DFlashDrafterConfig", "DFlashDrafter", "DFlashCache", "block_mask", "default_target_layer_ids",
+           "resolve_layer_ids",
            "default_gamma", "target_identity"]
 
 DRAFTER_TYPE = DFLASH_TYPE
@@ -57,6 +58,17 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
     if k == 1:
         return [(lo + hi) // 2]
     return [lo + round(i * (hi - lo) / (k - 1)) for i in range(k)]
+
+
+def resolve_layer_ids(cfg, n_layers: int) -> list[int]:
+    """``dflash.target_layer_ids`` of a job's config (``cfg``: its ``dflash`` section), or the default spread of
+    ``dflash.num_taps``; refused in one line when a layer is not one of the target's."""
+    ids = list(cfg.target_layer_ids) if cfg.target_layer_ids else default_target_layer_ids(n_layers, cfg.num_taps)
+    bad = [i for i in ids if not 0 <= int(i) < n_layers]
+    if bad:
+        raise DraftTrainError(f"dflash.target_layer_ids={ids}: {bad} out of range (0-based layer outputs of a "
+                              f"{n_layers}-layer target: 0..{n_layers - 1})")
+    return [int(i) for i in ids]
 
 
 def default_gamma(block_size: int) -> float:

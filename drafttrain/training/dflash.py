@@ -20,7 +20,7 @@ import torch
 
 from ..data.chat import stop_token_ids
 from ..data.packing import lm_inputs
-from ..drafters.dflash import DFlashDrafter, block_mask, default_gamma, default_target_layer_ids
+from ..drafters.dflash import DFlashDrafter, block_mask, default_gamma, resolve_layer_ids
 from ..io import DraftTrainError
 from ..losses import dflash_slot_stats, dflash_slot_weights, dpace_weights
 from ..targets.load import gather_taps, num_layers
@@ -64,15 +64,6 @@ def resolve_mask_token(mask_token_id, tokenizer, target_model, where: str = "dfl
         raise DraftTrainError(f"{where}={mid}: is {what} of the target; the block filler must be a token the "
                               "target never produces (a reserved special token)")
     return mid
-
-
-def resolve_layer_ids(cfg, n_layers: int) -> list[int]:
-    ids = list(cfg.target_layer_ids) if cfg.target_layer_ids else default_target_layer_ids(n_layers, cfg.num_taps)
-    bad = [i for i in ids if not 0 <= int(i) < n_layers]
-    if bad:
-        raise DraftTrainError(f"dflash.target_layer_ids={ids}: {bad} out of range (0-based layer outputs of a "
-                              f"{n_layers}-layer target: 0..{n_layers - 1})")
-    return [int(i) for i in ids]
 
 
 def _doc_seed(seed: int, step: int, tokens: list[int]) -> int:
@@ -134,6 +125,8 @@ class DFlashMethod(MethodDefaults):
         self.cfg = cfg
         self.layer_ids = resolve_layer_ids(cfg, num_layers(target_model))
         self.hf_taps = tuple(i + 1 for i in self.layer_ids)
+        self.taps = list(self.hf_taps)  # what an offline store must hold (training/offline.py checks it)
+        self.offline_features = ("taps", "last_hidden") if cfg.loss == "kd" else ("taps",)
         self.mask_id = resolve_mask_token(cfg.mask_token_id, tokenizer, target_model)
         self.block = int(cfg.block_size)
         self.slots = self.block - 1
