@@ -19,7 +19,7 @@ from ..losses import (EAGLE3_LOSSES, Eagle3Teacher, combine_step_losses, eagle3_
                       eagle3_valid_mask, feature_regression_sum, step_weights, teacher_from_hidden,
                       teacher_from_logits)
 from ..targets.load import gather_taps, num_layers, resolve_taps, text_config
-from .method import MethodDefaults, chain_tau, position_means
+from .base import MethodDefaults, chain_tau, position_means
 
 
 @dataclass
