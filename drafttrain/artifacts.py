@@ -1,26 +1,19 @@
-"""Saved drafters: the one module that knows their on-disk layouts and loads every one of them.
+"""Saved drafters, loaded: the one module every caller reads a saved drafter directory through. It stands above
+the drafter modules (it imports them; they never import it); the layout facts it reads (file names, config keys,
+``drafter_type`` values) are ``drafttrain.layout``'s, shared with the drafters' ``save_pretrained`` and the exporters.
 
-Layout facts (file names, config keys, ``drafter_type`` values) are written here once; the drafters'
-``save_pretrained`` methods take them from here. Loaders:
-
-- :func:`load_drafter` -- any saved drafter that decodes on its own: ``eagle3`` (``Eagle3Drafter``),
+- :func:`load` -- any saved drafter with the target it verifies with: ``(target, drafter, info)``; the one call
+  eval, the engine checks and the scripts make (a Medusa-2 drafter returns the target with its adapter merged);
+- :func:`load_drafter` -- a saved drafter that decodes on its own: ``eagle3`` (``Eagle3Drafter``),
   ``draft_model`` (a plain HF causal LM, recipe=draft_model) and the vLLM / SGLang EAGLE-3 exports
   (:func:`load_exported_eagle3`); Medusa drafters are refused there (they come with their target);
 - :func:`load_medusa` -- a Medusa-1 / Medusa-2 drafter with the target it verifies with (Medusa-2: adapter
-  merged into the target); :func:`load_medusa_heads` -- only the heads (``medusa.init_heads``);
+  merged into the target); the heads alone: ``drafters.medusa.load_medusa_heads``;
 - :func:`load_eagle3` -- an EAGLE-3 drafter for ``drafttrain bench`` / ``tune`` (None without a path);
-- :func:`load_draft_model` -- a draft causal LM and its tokenizer by name (``builtin-small`` or a directory);
-- :func:`drafter_dir` -- a training checkpoint as a drafter directory.
+- :func:`load_draft_model` -- a draft causal LM and its tokenizer by name (``builtin-small`` or a directory).
 
-``drafttrain eval|export drafter=<run>/checkpoints/step_N``: a checkpoint (drafttrain.training.checkpoint)
-holds the trainable weights and the job's config, not a drafter directory: the frozen embedding is rebuilt
-from the target and not stored. The drafter is rebuilt exactly as training built it (the recorded config,
-the recorded target), the checkpoint's weights are loaded into it, and it is saved once, atomically, as
-``<checkpoint>/drafter`` (a normal saved-drafter directory that eval, export and the engines read); later
-calls reuse it. Telling a checkpoint apart (its state file) and rebuilding its drafter (the training method's
-``build_drafter``) use ``drafttrain.training``, imported only then: a saved drafter directory never imports it.
-
-Drafter modules import this one at their top; this one imports them only inside functions (no cycle).
+A training checkpoint (``<run>/checkpoints/step_N``) is not a saved drafter: ``drafttrain.training.checkpoint.
+drafter_dir`` rebuilds its drafter into ``<checkpoint>/drafter`` (the CLI calls it before eval and export).
 
 Exported EAGLE-3 layouts (written by drafttrain.export.eagle3; shared/reference/speculators-modelopt-serving-
 formats.md §2): ``vllm``, the speculators layout (``speculators_model_type: eagle3``, a nested
@@ -38,46 +31,18 @@ from pathlib import Path
 
 import torch
 
+from .drafters.dflash import DFlashDrafter, DFlashDrafterConfig, target_identity
+from .drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig, normalise_rope_scaling
+from .drafters.medusa import MedusaHeads, heads_dir
 from .io import DraftTrainError, check_state_dict, load_tensors, read_json
+from .layout import (ADAPTER_DIR, ADAPTER_KEY, CONFIG_NAME, DFLASH_TYPE, DRAFT_MODEL_TYPE, exported_dflash, EAGLE3_TYPE, LAYOUT_KEY, MEDUSA2_TYPE,
+                     MEDUSA_TYPE, TARGET_KEY, TRTLLM_LAYER_PREFIX, TRTLLM_LAYOUT, WEIGHTS_NAME, saved_type)
 
 __all__ = [
-    "CONFIG_NAME", "WEIGHTS_NAME", "TYPE_KEY", "TARGET_KEY", "EAGLE3_TYPE", "MEDUSA_TYPE", "MEDUSA2_TYPE",
-    "DRAFT_MODEL_TYPE", "DFLASH_TYPE", "DRAFTER_TYPES", "RENAMED_TYPES", "HEADS_KEY", "ADAPTER_KEY", "HEADS_DIR", "ADAPTER_DIR",
-    "DRAFTER_SUBDIR", "saved_type", "recorded_target",
-    "drafter_type", "is_checkpoint", "drafter_dir", "load_drafter", "load_medusa", "load_medusa_heads",
-    "load_eagle3", "load_draft_lm", "load_draft_model", "exported_layout", "exported_target",
-    "load_exported_eagle3", "NORM_FLAGS", "TRTLLM_LAYOUT", "LAYOUT_KEY", "TRTLLM_OPTIONS_NAME",
-    "TRTLLM_ARCHITECTURE", "TRTLLM_LAYER_PREFIX", "trtllm_to_drafter_names",
+    "recorded_target", "drafter_type", "load", "load_drafter", "load_medusa", "load_eagle3", "load_draft_lm",
+    "load_draft_model", "load_dflash", "read_dflash_export", "exported_layout", "exported_target", "load_exported_eagle3", "NORM_FLAGS",
+    "trtllm_to_drafter_names",
 ]
-
-# ------------------------------------------------------------------------------------------ layout facts
-CONFIG_NAME = "config.json"  # every saved drafter directory: the drafter's config (drafter_type below)
-WEIGHTS_NAME = "model.safetensors"  # eagle3 / medusa heads / exported EAGLE-3 tensors (HF names its own)
-TYPE_KEY = "drafter_type"  # config.json key naming the drafter family (absent in an exported EAGLE-3 layout)
-TARGET_KEY = "target_name_or_path"  # config.json key: the target the drafter was trained for
-EAGLE3_TYPE = "eagle3"  # Eagle3Drafter: config.json (+ Eagle3DrafterConfig fields) + model.safetensors
-MEDUSA_TYPE = "medusa"  # MedusaHeads: vLLM's Medusa layout (config.json + model.safetensors)
-MEDUSA2_TYPE = "medusa2"  # config.json pointing at HEADS_DIR (a medusa directory) and ADAPTER_DIR (peft LoRA)
-DRAFT_MODEL_TYPE = "draft_model"  # a plain HF causal LM directory (save_pretrained) + the target's tokenizer
-DFLASH_TYPE = "dflash"  # DFlashDrafter: config.json (+ DFlashDrafterConfig fields) + model.safetensors (no embedding/head)
-DRAFTER_TYPES = (EAGLE3_TYPE, MEDUSA_TYPE, MEDUSA2_TYPE, DRAFT_MODEL_TYPE, DFLASH_TYPE)
-RENAMED_TYPES = {"draft_lm": DRAFT_MODEL_TYPE}  # drafter_type values older saves carry, read as today's
-HEADS_KEY, ADAPTER_KEY = "heads", "adapter"  # medusa2 config.json keys naming its two subdirectories
-HEADS_DIR, ADAPTER_DIR = "heads", "adapter"  # their names (also draft_model's adapter/ with distill.use_lora)
-DRAFTER_SUBDIR = "drafter"  # <checkpoint>/drafter: a training checkpoint's drafter, built on first use
-# the TensorRT-LLM (PyTorch backend) EAGLE-3 export (drafttrain.export.eagle3): a flat HF config + midlayer.* tensors
-TRTLLM_LAYOUT = "trtllm"
-LAYOUT_KEY = "drafttrain_layout"  # config.json key naming that layout (its architecture is SGLang's; TRT-LLM ignores it)
-TRTLLM_OPTIONS_NAME = "extra_llm_api_options.yaml"  # beside config.json: trtllm-serve --extra_llm_api_options
-TRTLLM_ARCHITECTURE = "LlamaForCausalLMEagle3"  # TRT-LLM strips "Eagle3", prefixes "EAGLE3": EAGLE3LlamaForCausalLM
-TRTLLM_LAYER_PREFIX = "midlayer"  # its draft layers: midlayer.* (one layer), midlayer.{i}.* (several)
-
-
-def saved_type(cfg: dict) -> str | None:
-    """The drafter family a saved ``config.json`` names (None for an exported EAGLE-3 layout); an older
-    name (``RENAMED_TYPES``) is read as today's."""
-    kind = cfg.get(TYPE_KEY)
-    return RENAMED_TYPES.get(kind, kind)
 
 
 def drafter_type(path) -> str | None:
@@ -94,54 +59,6 @@ def recorded_target(path) -> str | None:
     return cfg.get(TARGET_KEY) or exported_target(cfg) or None
 
 
-# ------------------------------------------------------------------------------------------ checkpoints
-def is_checkpoint(path) -> bool:
-    from .training.checkpoint import STATE
-
-    p = Path(path)
-    return (p / STATE).is_file() and (p / "drafter.safetensors").is_file()
-
-
-def drafter_dir(path) -> Path:
-    """``path`` itself for a saved drafter; for a training checkpoint, its drafter (built on first use)."""
-    p = Path(path)
-    if (p / CONFIG_NAME).exists() or not is_checkpoint(p):
-        return p
-    out = p / DRAFTER_SUBDIR
-    if (out / CONFIG_NAME).exists():
-        return out
-    _materialize(p, out)
-    return out
-
-
-def _materialize(ckpt: Path, out: Path) -> None:
-    from omegaconf import OmegaConf
-
-    from .config import TrainJob
-    from .targets.load import load_target, target_id
-    from .training.checkpoint import EMA_FILE, STATE, load_drafter_weights, load_ema, read_checkpoint_meta
-    from .training.method import make_method
-
-    meta = read_checkpoint_meta(ckpt)
-    if not isinstance(meta.get("config"), dict):
-        raise DraftTrainError(f"{ckpt / STATE}: no recorded job config (a checkpoint from an older drafttrain?)")
-    job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainJob), meta["config"]))
-    print(f"[drafttrain] {ckpt} is a training checkpoint (step {meta.get('step')}): rebuilding its "
-          f"{job.method} drafter into {out}", flush=True)
-    model, tokenizer, path = load_target(job.target, device="cpu")
-    if meta.get("target") and str(meta["target"]) != str(path):
-        raise DraftTrainError(f"{ckpt}: trained for target {meta['target']}, which now resolves to {path}")
-    method = make_method(job, tokenizer, model)
-    drafter = method.build_drafter(model, [], target_id(path))  # d2t/t2d come from the checkpoint
-    load_drafter_weights(ckpt, drafter)
-    if (ckpt / EMA_FILE).exists():  # train.ema_decay: the run's drafter is the weight average (what final/ holds)
-        _, unexpected = drafter.load_state_dict(load_ema(ckpt), strict=False)
-        if unexpected:
-            raise DraftTrainError(f"{ckpt / EMA_FILE}: tensors this drafter does not have: {unexpected[:3]}")
-        print(f"[drafttrain] {ckpt}: the drafter holds the checkpoint's weight average ({EMA_FILE})", flush=True)
-    drafter.save_pretrained(out)
-
-
 # ------------------------------------------------------------------------------------------ any drafter
 def load_drafter(path: str, device, target_model=None):
     """The saved drafter at ``path`` on ``device``: an ``Eagle3Drafter`` (``eagle3``, or a vLLM / SGLang
@@ -154,8 +71,6 @@ def load_drafter(path: str, device, target_model=None):
     if kind is None and exported_layout(cfg):  # `drafttrain export` output (vLLM / SGLang / TRT-LLM EAGLE-3 layouts)
         return load_exported_eagle3(path, target_model=target_model, device=device)
     if kind == EAGLE3_TYPE:
-        from .drafters.eagle3 import Eagle3Drafter
-
         return Eagle3Drafter.from_pretrained(path, device=device)
     if kind == DRAFT_MODEL_TYPE:  # recipe=draft_model: a plain HF causal LM directory
         return load_draft_lm(path, device)
@@ -165,30 +80,84 @@ def load_drafter(path: str, device, target_model=None):
     raise DraftTrainError(f"{path}/{CONFIG_NAME}: unknown drafter_type {kind!r}")
 
 
-def exported_dflash(config: dict) -> str | None:
-    """``zlab`` / ``speculators`` for a DFlash export's config.json (drafttrain.export.dflash), else None."""
-    if config.get("speculators_model_type") == "dflash":
-        return "speculators"
-    if "DFlashDraftModel" in (config.get("architectures") or []) and isinstance(config.get("dflash_config"), dict):
-        return "zlab"
-    return None
-
-
+# ------------------------------------------------------------------------------------------ DFlash
 def load_dflash(path, target_model, device=None):
     """A DFlash drafter (drafttrain's own save, or a z-lab / speculators export read back) bound to
     ``target_model``, whose embedding and lm_head it borrows."""
-    from .drafters.dflash import DFlashDrafter
-
     if target_model is None:
         raise DraftTrainError(f"{path}: a DFlash drafter borrows its target's embedding and lm_head: load it "
                               "with its target")
     cfg = read_json(Path(path) / CONFIG_NAME)
     if saved_type(cfg) == DFLASH_TYPE:
         return DFlashDrafter.from_pretrained(path, device=device, target_model=target_model)
-    from .export.dflash import read_dflash_export
-
     config, sd = read_dflash_export(Path(path), cfg, target_model)
     return DFlashDrafter.from_state(config, sd, Path(path) / WEIGHTS_NAME, device).bind_target(target_model)
+
+
+def _need(d: dict, key: str, where: Path):
+    if key not in d:
+        raise DraftTrainError(f"{where}: DFlash config has no {key!r}")
+    return d[key]
+
+
+def _dflash_export_fields(raw: dict, where: Path) -> tuple[dict, list[int], int, int | None]:
+    """(the draft layers' HF config, 0-based target layer ids, mask token id, block size) of a z-lab or
+    speculators DFlash config.json; a causal draft is refused (drafttrain decodes bidirectional blocks)."""
+    if raw.get("speculators_model_type") == "dflash":
+        layer = _need(raw, "transformer_layer_config", where)
+        if raw.get("sliding_window_non_causal") is False:  # vLLM: causal = not sliding_window_non_causal
+            raise DraftTrainError(f"{where}: sliding_window_non_causal=false (a causal draft); drafttrain's DFlash "
+                                  "decoder is bidirectional inside the block")
+        ids = [int(t) - 1 for t in _need(raw, "aux_hidden_state_layer_ids", where)]  # vLLM's ids are + 1
+        return layer, ids, int(_need(raw, "mask_token_id", where)), raw.get("block_size")
+    dc = _need(raw, "dflash_config", where)
+    if raw.get("is_causal", dc.get("causal", False)):
+        raise DraftTrainError(f"{where}: is_causal=true (a block-causal draft, JetSpec-style); drafttrain's DFlash "
+                              "decoder is bidirectional inside the block")
+    ids = [int(t) for t in _need(dc, "target_layer_ids", where)]
+    return raw, ids, int(_need(dc, "mask_token_id", where)), raw.get("block_size", dc.get("block_size"))
+
+
+def read_dflash_export(directory: Path, raw: dict, target_model) -> tuple[DFlashDrafterConfig, dict]:
+    """A z-lab or speculators DFlash export (drafttrain.export.dflash, or another trainer's) ->
+    ``(DFlashDrafterConfig, state_dict)``, sized against ``target_model``; the export's own embedding / lm_head
+    (speculators ships the verifier's) are dropped: the drafter borrows the target's."""
+    where = directory / CONFIG_NAME
+    layer, ids, mask, block = _dflash_export_fields(raw, where)
+    sd = load_tensors(directory / WEIGHTS_NAME)
+    if "mask_hidden" in sd:
+        raise DraftTrainError(f"{directory / WEIGHTS_NAME}: has a mask_hidden tensor (a P-EAGLE draft, not DFlash)")
+    sd = {n: t for n, t in sd.items() if n not in ("embed_tokens.weight", "lm_head.weight")}
+    ident = target_identity(target_model)
+    rope = layer.get("rope_scaling") or layer.get("rope_parameters")
+    heads = int(_need(layer, "num_attention_heads", where))
+    config = DFlashDrafterConfig(
+        hidden_size=int(_need(layer, "hidden_size", where)),
+        intermediate_size=int(_need(layer, "intermediate_size", where)),
+        num_attention_heads=heads, num_key_value_heads=int(layer.get("num_key_value_heads", heads)),
+        head_dim=int(layer.get("head_dim") or layer["hidden_size"] // heads),
+        vocab_size=int(layer.get("vocab_size", ident["vocab_size"])),
+        target_hidden_size=int(raw.get("target_hidden_size") or ident["target_hidden_size"]),
+        target_num_layers=int(raw.get("num_target_layers") or ident["target_num_layers"]),
+        target_layer_ids=ids, mask_token_id=mask, block_size=int(block) if block is not None else 8,
+        num_layers=int(_need(layer, "num_hidden_layers", where)), rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(layer.get("rope_theta", (rope or {}).get("rope_theta", 10000.0))),
+        rope_scaling=rope if isinstance(rope, dict) else None,
+        max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
+        target_name_or_path=str(raw.get(TARGET_KEY) or exported_target(raw) or ""),
+    )
+    return config, sd
+
+
+def load(path, target_model, device=None):
+    """The saved drafter at ``path`` with the target it verifies with: ``(target, drafter, info)`` on ``device``
+    (default: the target's). Medusa-1 / Medusa-2 through :func:`load_medusa` (Medusa-2: ``target`` is
+    ``target_model`` with the adapter merged; ``info`` its saved tree and ``target_modified``); every other
+    drafter through :func:`load_drafter` (``target`` is ``target_model``, ``info`` None)."""
+    device = next(target_model.parameters()).device if device is None else device
+    if drafter_type(path) in (MEDUSA_TYPE, MEDUSA2_TYPE):
+        return load_medusa(path, target_model, device)
+    return target_model, load_drafter(str(path), device, target_model=target_model), None
 
 
 def load_draft_lm(path, device):
@@ -233,34 +202,20 @@ def load_draft_model(name: str, target_cfg, device):
 
 
 # ------------------------------------------------------------------------------------------ Medusa
-def _medusa_heads_dir(path: Path, cfg: dict) -> Path:
-    """The heads directory of a saved Medusa drafter: itself (medusa) or its ``heads`` subdirectory (medusa2)."""
-    return path / cfg.get(HEADS_KEY, HEADS_DIR) if saved_type(cfg) == MEDUSA2_TYPE else path
-
-
-def load_medusa_heads(path: str | os.PathLike, device=None):
-    """The ``MedusaHeads`` of a saved Medusa-1 or Medusa-2 drafter (without touching any target)."""
-    from .drafters.medusa import MedusaHeads
-
-    path = Path(path)
-    return MedusaHeads.from_pretrained(_medusa_heads_dir(path, read_json(path / CONFIG_NAME)), device=device)
-
-
 def load_medusa(path: str | os.PathLike, target_model, device=None):
     """Load a saved Medusa-1 or Medusa-2 drafter for decoding.
 
     Returns ``(target to verify with, heads, info)``; for Medusa-2 the target is ``target_model`` with the
     saved LoRA adapter merged in (in place), and ``info["target_modified"]`` is True. ``info`` also carries
     the saved ``medusa_choices`` (None if the drafter was saved without a tree)."""
-    from .drafters.medusa import MedusaHeads
-    from .lora import load_lora
+    from .lora import load_lora  # peft, imported when a Medusa-2 drafter is loaded
 
     path = Path(path)
     cfg = read_json(path / CONFIG_NAME)
     kind = saved_type(cfg)
-    heads_dir = _medusa_heads_dir(path, cfg)
-    heads = MedusaHeads.from_pretrained(heads_dir, device=device)
-    hcfg = read_json(heads_dir / CONFIG_NAME)
+    hdir = heads_dir(path, cfg)
+    heads = MedusaHeads.from_pretrained(hdir, device=device)
+    hcfg = read_json(hdir / CONFIG_NAME)
     info = {"medusa_choices": hcfg.get("medusa_choices"), "head_topk_accuracy": hcfg.get("head_topk_accuracy"),
             "target_modified": kind == MEDUSA2_TYPE}
     if kind == MEDUSA2_TYPE:
@@ -320,8 +275,6 @@ def _warn_sliding_window(lc: dict, where) -> None:
 
 def _rope_scaling(lc: dict):
     """The layer config's RoPE scaling (transformers 5 ``rope_parameters`` or the older ``rope_scaling``)."""
-    from .drafters.eagle3 import normalise_rope_scaling
-
     rp = lc.get("rope_parameters")
     if not isinstance(rp, dict) or not ({"rope_type", "type"} & rp.keys()):
         rp = lc.get("rope_scaling")
@@ -387,8 +340,6 @@ def trtllm_to_drafter_names(sd: dict, num_layers: int) -> dict:
 
 def _exported_eagle3_config(raw: dict, where):
     """The ``Eagle3DrafterConfig`` an exported config describes (either layout)."""
-    from .drafters.eagle3 import Eagle3DrafterConfig
-
     layout = exported_layout(raw)
     if layout is None:
         raise DraftTrainError(f"{where}: not an exported EAGLE-3 config (no speculators_model_type: eagle3 and no "
@@ -456,8 +407,6 @@ def load_exported_eagle3(directory: str | Path, target_model=None, device=None):
     Without ``embed_tokens.weight`` in the directory (drafttrain's exports) the embedding is taken from
     ``target_model`` (the verifier), as the engines do.
     """
-    from .drafters.eagle3 import Eagle3Drafter
-
     directory = Path(directory)
     raw = read_json(directory / CONFIG_NAME)
     config = _exported_eagle3_config(raw, directory / CONFIG_NAME)

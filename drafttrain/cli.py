@@ -251,10 +251,20 @@ def hydra_run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def _eval_task(cfg):
-    from .eval import run_eval
+def _with_saved_drafter(job):
+    """``job`` with ``job.drafter`` a saved drafter directory: a training checkpoint (``step_*``) is rebuilt into
+    its ``drafter/`` first (``training.checkpoint.drafter_dir``), so eval and export take checkpoints directly."""
+    if job.drafter:
+        from .training.checkpoint import drafter_dir
 
-    return run_eval(typed_job(cfg), hydra_run_dir())
+        job.drafter = str(drafter_dir(job.drafter))
+    return job
+
+
+def _eval_task(cfg):
+    from .evaluation import run_eval
+
+    return run_eval(_with_saved_drafter(typed_job(cfg)), hydra_run_dir())
 
 
 def _build_target_task(cfg):
@@ -301,17 +311,17 @@ def _capture_task(cfg):
 def _export_task(cfg):
     from .export import run_export
 
-    return run_export(typed_job(cfg))
+    return run_export(_with_saved_drafter(typed_job(cfg)))
 
 
 def _bench_task(cfg):
-    from .bench import run_bench
+    from .evaluation import run_bench
 
     return run_bench(typed_job(cfg), hydra_run_dir())
 
 
 def _tune_task(cfg):
-    from .bench import run_tune
+    from .evaluation import run_tune
 
     return run_tune(typed_job(cfg), hydra_run_dir())
 

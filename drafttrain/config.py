@@ -412,7 +412,7 @@ class DecodeConfig:
     # (the dense mask's attention costs a row's length squared); a large value packs them into one row
     packed_row_tokens: int = num(256, ge=1)
     # speedup against batch size: every B decodes the same prompts, batched AR vs batched speculative, with a
-    # predicted speedup and the crossover (drafttrain/batch_sweep.py); [] = none; needs >= max(B) prompts
+    # predicted speedup and the crossover (drafttrain/evaluation/batch_sweep.py); [] = none; needs >= max(B) prompts
     batch_sizes: List[int] = nums(list, ge=1)
     seed: int = num(0, ge=0)
     repeats: int = num(1, ge=1)  # timed passes over the prompts (AR and speculative interleaved per prompt)

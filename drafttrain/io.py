@@ -163,3 +163,17 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = True) -> Iterator[Path
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ paths
+def cache_root() -> Path:
+    """drafttrain's cache (built-in targets, regenerated data): ``$DRAFTTRAIN_CACHE`` or ``~/.cache/drafttrain``."""
+    return Path(os.environ.get("DRAFTTRAIN_CACHE", Path.home() / ".cache" / "drafttrain"))
+
+
+def looks_local(value: str) -> bool:
+    """A model name that must be a local directory: it exists, or is written as a path (``./x``, ``/x``,
+    ``~/x``, ``a/b/c``, a backslash). ``org/name`` that does not exist is a hub name."""
+    v = str(value)
+    return (Path(os.path.expanduser(v)).exists() or v.startswith((".", "/", "~")) or "\\" in v
+            or v.count("/") >= 2)

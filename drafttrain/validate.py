@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from . import config as C
-from .io import DraftTrainError
+from .io import DraftTrainError, looks_local
 
 JOB_SCHEMAS = {
     "train": C.TrainJob,
@@ -254,14 +254,6 @@ def check_grammar(spec: str, where: str = "decode.grammar") -> None:
 
 
 # ----------------------------------------------------------------------------------------------- paths
-
-
-def looks_local(value: str) -> bool:
-    """A model name that must be a local directory: it exists, or is written as a path (``./x``, ``/x``,
-    ``~/x``, ``a/b/c``, a backslash). ``org/name`` that does not exist is a hub name."""
-    v = str(value)
-    return (Path(os.path.expanduser(v)).exists() or v.startswith((".", "/", "~")) or "\\" in v
-            or v.count("/") >= 2)
 
 
 def _missing(value: str, kind: str) -> str | None:

@@ -1,11 +1,11 @@
-"""decode.batch_sizes: speedup against batch size, measured beside its prediction (drafttrain/batch_sweep.py)."""
+"""decode.batch_sizes: speedup against batch size, measured beside its prediction (drafttrain/evaluation/batch_sweep.py)."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from drafttrain.batch_sweep import (expected_tau, expected_tau_from_counts, format_table, predicted_speedup,
+from drafttrain.evaluation.batch_sweep import (expected_tau, expected_tau_from_counts, format_table, predicted_speedup,
                                     target_costs, verify_width_law)
 from drafttrain.io import DraftTrainError
 
@@ -68,7 +68,7 @@ def test_eval_batch_sizes_measures_every_size_beside_its_prediction(tmp_path):
     import json
 
     from drafttrain.decoding.build import make_proposer
-    from drafttrain.eval import evaluate
+    from drafttrain.evaluation import evaluate
 
     s = build("llama")
     prompts = [p * 2 for p in s.prompts]  # repeats: prompt lookup finds matches
@@ -113,7 +113,7 @@ def test_eval_batch_sizes_measures_every_size_beside_its_prediction(tmp_path):
 
 def test_eval_batch_sizes_refuses_more_rows_than_prompts():
     from drafttrain.decoding.build import make_proposer
-    from drafttrain.eval import evaluate
+    from drafttrain.evaluation import evaluate
 
     s = build("llama")
     decode = _decode(batch_sizes=[1, 8])

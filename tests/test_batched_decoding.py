@@ -497,7 +497,7 @@ def test_eval_decode_batch_size_groups_the_prompts(method, continuous):
     batch size in the report."""
     from drafttrain.config import DecodeConfig
     from drafttrain.decoding.build import make_proposer
-    from drafttrain.eval import evaluate
+    from drafttrain.evaluation import evaluate
 
     s = build("llama")
     prompts = s.prompts + [s.prompts[0] * 3]
@@ -520,7 +520,7 @@ def test_eval_decode_batch_size_groups_the_prompts(method, continuous):
 def test_eval_batch_size_refuses_trees_in_one_line():
     from drafttrain.config import DecodeConfig, TreeConfig
     from drafttrain.decoding.build import make_proposer
-    from drafttrain.eval import evaluate
+    from drafttrain.evaluation import evaluate
 
     s = build("llama")
     decode = DecodeConfig(method="pld", num_draft_tokens=3, max_new_tokens=8, warmup=0, sweep_prompts=0, plot=False,

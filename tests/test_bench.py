@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from drafttrain.bench import bench, format_table, tune
+from drafttrain.evaluation.bench import bench, format_table, tune
 from drafttrain.config import DecodeConfig, TreeConfig
 from drafttrain.decoding.tune import choose_chain_length, choose_tree_size, expected_tau
 

@@ -9,7 +9,7 @@ import torch
 
 from drafttrain.config import DecodeConfig, TreeConfig
 from drafttrain.decoding.build import draft_depth, make_proposer, medusa_choices_for
-from drafttrain.eval import evaluate
+from drafttrain.evaluation import evaluate
 from drafttrain.io import DraftTrainError
 
 
@@ -150,7 +150,7 @@ def _res(n_tokens, seconds):
 
 
 def test_speedup_spread_per_pass_and_the_noisy_baseline_flag():
-    from drafttrain.eval import NOISY_BASELINE, speedup_spread
+    from drafttrain.evaluation.report import NOISY_BASELINE, speedup_spread
 
     # two passes over two prompts: AR 10 tokens/s in pass 1, 8 in pass 2; speculative 20 and 12
     ar = [_res(10, 1.0), _res(10, 1.0), _res(8, 1.0), _res(8, 1.0)]
@@ -169,7 +169,7 @@ def test_speedup_spread_per_pass_and_the_noisy_baseline_flag():
 
 
 def test_the_table_prints_the_spread_beside_the_speedup(capsys):
-    from drafttrain.eval import _spread_note
+    from drafttrain.evaluation.report import _spread_note
 
     note = _spread_note({"speedup_min": 1.5, "speedup_max": 2.0, "speedup_median": 1.75, "baseline_spread": 0.22,
                          "speedup_noisy": True, "speedup_spread_over": "passes"})

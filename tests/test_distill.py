@@ -306,7 +306,8 @@ def test_mix_batches():
 def test_a_draft_model_saved_under_the_old_drafter_type_still_loads(tmp_path):
     """Older releases saved draft models as ``drafter_type: draft_lm``; today's name is draft_model (one name per
     family). Such a directory is read as today's family and decodes with the same weights."""
-    from drafttrain.artifacts import DRAFT_MODEL_TYPE, drafter_type, load_drafter
+    from drafttrain.artifacts import drafter_type, load_drafter
+    from drafttrain.layout import DRAFT_MODEL_TYPE
     from drafttrain.drafters.draft_lm import DraftLM
     from drafttrain.io import read_json, write_json
 

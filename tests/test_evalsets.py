@@ -110,7 +110,7 @@ def test_later_turns_carry_the_targets_own_greedy_answer(target, tmp_path):
     from drafttrain.decoding.engine import SpecDecoder
     from drafttrain.decoding.proposers import NoDraft
     from drafttrain.decoding.target import TargetRunner
-    from drafttrain.evalsets import turn_prompts
+    from drafttrain.evaluation.evalsets import turn_prompts
 
     model, tok = target
     p = _write(tmp_path / "question.jsonl", [
@@ -133,8 +133,8 @@ def test_later_turns_carry_the_targets_own_greedy_answer(target, tmp_path):
 
 def test_the_report_has_a_row_per_category_pooling_to_the_total(target, tmp_path, capsys):
     from drafttrain.decoding.build import make_proposer
-    from drafttrain.eval import evaluate
-    from drafttrain.evalsets import prompt_labels, turn_prompts
+    from drafttrain.evaluation import evaluate
+    from drafttrain.evaluation.evalsets import prompt_labels, turn_prompts
 
     model, tok = target
     p = _write(tmp_path / "question.jsonl", [
@@ -164,7 +164,7 @@ def test_the_report_has_a_row_per_category_pooling_to_the_total(target, tmp_path
 
 
 def test_no_category_rows_without_a_question_set(target):
-    from drafttrain.evalsets import prompt_labels
+    from drafttrain.evaluation.evalsets import prompt_labels
 
     assert prompt_labels([{"messages": []}], 1) is None
 
@@ -178,7 +178,7 @@ def test_eval_command_runs_humaneval_with_a_category_table(tiny_builtin_target, 
     from omegaconf import OmegaConf
 
     from drafttrain.cli import CONF_DIR
-    from drafttrain.eval import run_eval
+    from drafttrain.evaluation import run_eval
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

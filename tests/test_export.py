@@ -47,7 +47,7 @@ def env(tmp_path_factory, tiny_builtin_target):
 
 
 def _evaluate(env, drafter, method="eagle3", model=None):
-    from drafttrain.eval import evaluate_drafter
+    from drafttrain.evaluation import evaluate_drafter
 
     decode = copy.deepcopy(env["decode"])
     decode.method = method
@@ -160,7 +160,7 @@ def test_eval_command_reads_the_exported_directory(env, tmp_path):
     from omegaconf import OmegaConf
 
     from drafttrain.cli import CONF_DIR
-    from drafttrain.eval import run_eval
+    from drafttrain.evaluation import run_eval
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

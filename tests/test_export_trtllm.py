@@ -43,7 +43,8 @@ import transformers as tf
 import yaml
 from safetensors.torch import load_file, save_file
 
-from drafttrain.artifacts import TRTLLM_OPTIONS_NAME, load_exported_eagle3
+from drafttrain.artifacts import load_exported_eagle3
+from drafttrain.layout import TRTLLM_OPTIONS_NAME
 from drafttrain.data.vocab import build_draft_vocab, d2t_target_ids
 from drafttrain.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from drafttrain.export import export_drafter, serve_hint

@@ -296,7 +296,7 @@ def test_max_new_tokens_cut_and_stop_tokens(env):
 @pytest.mark.slow
 def test_evaluate_reports_grammar_and_valid_fraction(env, tmp_path):
     from drafttrain.config import DecodeConfig
-    from drafttrain.eval import evaluate
+    from drafttrain.evaluation import evaluate
     from drafttrain.io import read_json
 
     examples = [e for e in builtin_structured_examples(limit=60, seed=0, max_string_length=8)
@@ -350,7 +350,7 @@ def test_grammar_plan_and_eval_data(tmp_path):
     import json
 
     from drafttrain.config import DataConfig
-    from drafttrain.data.select import eval_conversations
+    from drafttrain.evaluation import eval_conversations
     from drafttrain.io import DraftTrainError
 
     rows = builtin_structured_examples(limit=3, seed=0, max_string_length=8)

@@ -145,7 +145,7 @@ def test_medusa_and_distill_checkpoints_are_their_final_drafters(recipe, weights
               "train.eval=false", f"hydra.run.dir={run}"], cwd=REPO)
     # the final save of an HF model imports DeepSpeed (transformers -> accelerate); it must stay quiet on CPU
     assert "Setting accelerator" not in r.stdout + r.stderr
-    from drafttrain.artifacts import drafter_dir
+    from drafttrain.training.checkpoint import drafter_dir
 
     d = drafter_dir(run / "checkpoints" / "step_00000002")
     assert d.name == "drafter" and (d / "config.json").exists()

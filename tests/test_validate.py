@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 
 import drafttrain.config as C
 from drafttrain.io import DraftTrainError
-from drafttrain.validate import JOB_SCHEMAS, check_fields, check_job, check_paths, looks_local
+from drafttrain.io import looks_local
+from drafttrain.validate import JOB_SCHEMAS, check_fields, check_job, check_paths
 
 from .conftest import REPO, TINY_BUILTIN_OVERRIDES
 

@@ -138,7 +138,7 @@ def builtin_dataset(
     if not regenerate:
         return train, evals
     if cache_dir is None:
-        from ..targets.builtin import cache_root
+        from ..io import cache_root
 
         cache_dir = cache_root() / "data"
     k = len(train) if temperature <= 0 else round(float(sampled_fraction) * len(train))

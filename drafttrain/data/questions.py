@@ -9,7 +9,7 @@ numbers are measured on, read as questions with a category and one user message 
   function signature with its docstring sent as the user turn, the shape of the built-in code target's training
   chats.
 
-Multi-turn questions are answered turn by turn (``drafttrain.evalsets.turn_prompts``); this module only reads and
+Multi-turn questions are answered turn by turn (``drafttrain.evaluation.evalsets.turn_prompts``); this module only reads and
 selects (``load_question_set``).
 """
 from __future__ import annotations

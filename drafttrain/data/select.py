@@ -34,7 +34,7 @@ def load_training_data(job, model, tokenizer, target_name: str, run_dir: Path):
 
     d = job.data
     if d.source == "builtin":
-        from ..targets.builtin import cache_root
+        from ..io import cache_root
         from .builtin import builtin_dataset, corpus_of
 
         corpus = corpus_of(d.corpus, target_name)
@@ -132,8 +132,9 @@ def eval_conversations(data_cfg, target_path: str | None = None) -> EvalSet:
     """The evaluation set of ``data``: built-in held-out chats (of the corpus ``data.corpus`` names; ``auto``:
     the one the built-in target at ``target_path`` was trained on); a JSONL file's or a dataset's rows
     (``data.eval_path`` / ``data.eval_split``: its first ``data.num_eval``; else the last ``data.num_eval`` rows
-    of ``data.path``, the rows training holds out; ``data.num_eval=0``: every row); or structured rows. Prompt
-    files may leave the final assistant turn empty or out."""
+    of ``data.path``, the rows training holds out; ``data.num_eval=0``: every row). Prompt files may leave the
+    final assistant turn empty or out. ``data.source=structured`` (prompts with a JSON schema each) is read by
+    ``structured.structured_eval_set``; the decoding jobs' ``evaluation.eval_conversations`` takes either."""
     n = int(data_cfg.num_eval)
     if data_cfg.source == "builtin":
         from .builtin import builtin_conversations, corpus_of
@@ -159,17 +160,8 @@ def eval_conversations(data_cfg, target_path: str | None = None) -> EvalSet:
         if not n or n >= len(rows):
             return EvalSet(rows, f"every one of {len(rows)} rows of {label}")
         return EvalSet(rows[-n:], held_out_note(n, len(rows), label))
-    if data_cfg.source == "structured":  # prompts with a JSON schema each (drafttrain.structured.evalset)
-        from ..structured import builtin_structured_examples, read_structured_jsonl
-
-        path = data_cfg.eval_path or data_cfg.path
-        if path:
-            rows = read_structured_jsonl(path, limit=n or None)
-            return EvalSet(rows, f"{len(rows)} structured rows of {path}")
-        if n == 0:
-            raise DraftTrainError("data.num_eval=0 (every row) needs a structured prompt file (data.path)")
-        return EvalSet(builtin_structured_examples("eval", n, data_cfg.seed,
-                                                   max_string_length=data_cfg.structured_max_string_length),
-                       f"{n} built-in structured prompts")
+    if data_cfg.source == "structured":
+        raise DraftTrainError("data.source=structured: rows with a JSON schema each are read by the decoding jobs "
+                              "(drafttrain eval / bench: drafttrain.evaluation.eval_conversations)")
     raise DraftTrainError(f"data.source={data_cfg.source}: expected builtin, {', '.join(FILE_SOURCES)} or "
                           "structured")

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafttrain.artifacts import CONFIG_NAME, DFLASH_TYPE, TYPE_KEY, WEIGHTS_NAME
+from drafttrain.layout import CONFIG_NAME, DFLASH_TYPE, TYPE_KEY, WEIGHTS_NAME
 from drafttrain.drafters.eagle3 import (RMSNorm, RotaryEmbedding, SCALED_ROPE_TYPES, _apply_rope, _cfg_get,
                                         _rope_theta, normalise_rope_scaling, rope_scaling_of)
 from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_tensors, read_drafter_config,

@@ -25,8 +25,8 @@ from typing import Any, Sequence, TypeVar
 import torch
 from torch import nn
 
-from drafttrain.artifacts import ADAPTER_DIR, DRAFT_MODEL_TYPE, TARGET_KEY, TYPE_KEY
 from drafttrain.io import DraftTrainError, atomic_dir
+from drafttrain.layout import ADAPTER_DIR, DRAFT_MODEL_TYPE, TARGET_KEY, TYPE_KEY
 from drafttrain.targets.load import text_config
 
 __all__ = ["DraftLM", "build_draft_lm", "sample_on_policy", "on_policy_records", "mix_batches", "DRAFT_MODES"]

@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafttrain.artifacts import CONFIG_NAME, EAGLE3_TYPE, TYPE_KEY, WEIGHTS_NAME
 from drafttrain.data.vocab import d2t_target_ids
 from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_tensors, read_drafter_config, save_tensors, write_json)
+from drafttrain.layout import CONFIG_NAME, EAGLE3_TYPE, TYPE_KEY, WEIGHTS_NAME
 from drafttrain.targets.load import text_config
 
 __all__ = [

@@ -31,15 +31,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafttrain.artifacts import CONFIG_NAME, MEDUSA_TYPE, TARGET_KEY, TYPE_KEY, WEIGHTS_NAME
-from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_tensors, read_drafter_config, save_tensors, write_json)
+from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_tensors, read_drafter_config, read_json,
+                           save_tensors, write_json)
+from drafttrain.layout import (CONFIG_NAME, HEADS_DIR, HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE, TARGET_KEY, TYPE_KEY,
+                               WEIGHTS_NAME, saved_type)
 
 __all__ = [
     "MedusaHeads",
     "final_hidden",
+    "heads_dir",
+    "load_medusa_heads",
 ]
 
-DRAFTER_TYPE = MEDUSA_TYPE  # the saved layout (file names, drafter_type; Medusa-2's): drafttrain/artifacts.py
+DRAFTER_TYPE = MEDUSA_TYPE  # the saved layout (file names, drafter_type; Medusa-2's): drafttrain/layout.py
 
 
 class MedusaBlock(nn.Module):
@@ -164,6 +168,17 @@ class MedusaHeads(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------- target side
+def heads_dir(path: Path, cfg: dict) -> Path:
+    """The heads directory of a saved Medusa drafter: itself (medusa) or its ``heads`` subdirectory (medusa2)."""
+    return path / cfg.get(HEADS_KEY, HEADS_DIR) if saved_type(cfg) == MEDUSA2_TYPE else path
+
+
+def load_medusa_heads(path: str | os.PathLike, device=None) -> MedusaHeads:
+    """The ``MedusaHeads`` of a saved Medusa-1 or Medusa-2 drafter (without touching any target)."""
+    path = Path(path)
+    return MedusaHeads.from_pretrained(heads_dir(path, read_json(path / CONFIG_NAME)), device=device)
+
+
 def final_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Run an HF causal LM (or a peft wrapper of one) and return ``(hidden [B, T, H], logits [B, T, V])``,

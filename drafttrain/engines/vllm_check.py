@@ -90,7 +90,7 @@ def ours(model, tokenizer, drafter, method: str, prompts: list[list[int]], K: in
     draft-model proposers draft by default when sampling."""
     from ..config import DecodeConfig
     from ..decoding.build import decode_cache_length, make_proposer, target_taps
-    from ..eval import prepare
+    from ..evaluation.measure import prepare
 
     decode = DecodeConfig(method=method, num_draft_tokens=K, max_new_tokens=max_new_tokens, temperature=temperature,
                           seed=seed, draft_temperature=draft_temperature, warmup=0, sweep_prompts=0, plot=False)
@@ -143,16 +143,13 @@ def load_pair(drafter: str | os.PathLike, target: str):
     drafter (or EAGLE-3 export) at ``drafter`` on ``target`` (Medusa-2: the target with its adapter merged)."""
     import torch
 
-    from ..artifacts import drafter_type, load_drafter, load_medusa
+    from ..artifacts import drafter_type, load
     from ..config import TargetConfig
     from ..targets.load import load_target
 
     model, tok, _ = load_target(TargetConfig(name_or_path=str(target), dtype="float32"))
     kind = drafter_type(drafter) or "eagle3"  # None: an EAGLE-3 export
-    if kind in ("medusa", "medusa2"):
-        model, d, _ = load_medusa(drafter, model, torch.device("cpu"))
-    else:
-        d = load_drafter(str(drafter), "cpu", target_model=model)
+    model, d, _ = load(drafter, model, torch.device("cpu"))
     return model, tok, d.float().eval(), {"medusa2": "medusa"}.get(kind, kind), kind
 
 
@@ -173,8 +170,8 @@ def serving_spec(drafter: str | os.PathLike, target: str, work: str | os.PathLik
                          overwrite=True)
     served, spec_dir = str(target), out
     if kind == "medusa2":
-        from ..artifacts import HEADS_DIR, HEADS_KEY
         from ..io import read_json
+        from ..layout import HEADS_DIR, HEADS_KEY
 
         spec_dir = out / read_json(out / "config.json").get(HEADS_KEY, HEADS_DIR)
         served = str(work / "target-medusa2-merged")

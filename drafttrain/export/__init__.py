@@ -31,10 +31,11 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts import (ADAPTER_DIR, ADAPTER_KEY, CONFIG_NAME, DFLASH_TYPE, DRAFT_MODEL_TYPE, DRAFTER_TYPES, EAGLE3_TYPE, HEADS_DIR,
-                         HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE, TRTLLM_LAYOUT, TRTLLM_OPTIONS_NAME, WEIGHTS_NAME,
-                         exported_dflash, exported_layout, saved_type)
+from ..artifacts import exported_layout
 from ..io import DraftTrainError, atomic_dir, read_json, write_json
+from ..layout import (ADAPTER_DIR, ADAPTER_KEY, CONFIG_NAME, DFLASH_TYPE, DRAFT_MODEL_TYPE, DRAFTER_TYPES, EAGLE3_TYPE,
+                      HEADS_DIR, HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE, TRTLLM_LAYOUT, TRTLLM_OPTIONS_NAME, WEIGHTS_NAME,
+                      exported_dflash, saved_type)
 from .eagle3 import export_dtype, write_eagle3
 
 __all__ = ["export_drafter", "run_export", "FORMATS"]
@@ -172,10 +173,8 @@ def serve_hint(kind_dir: Path, fmt: str) -> str:
 
 
 def run_export(job) -> Path:
-    """``drafttrain export``: ``job`` is an ``ExportJob`` (drafttrain/config.py)."""
-    from ..artifacts import drafter_dir  # a training checkpoint (step_*) -> its drafter
-
-    job.drafter = str(drafter_dir(job.drafter))
+    """``drafttrain export``: ``job`` is an ``ExportJob`` (drafttrain/config.py); ``job.drafter`` is a saved drafter
+    directory (the CLI resolves a training checkpoint to its drafter first: ``training.checkpoint.drafter_dir``)."""
     out = export_drafter(job.drafter, job.format, job.out, overwrite=job.overwrite, dtype=job.dtype,
                          verifier=job.verifier, num_speculative_tokens=job.num_speculative_tokens)
     print(f"[drafttrain] exported {job.drafter} -> {out} (format={job.format}, dtype={job.dtype})", flush=True)

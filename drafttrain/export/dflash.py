@@ -18,13 +18,12 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts import CONFIG_NAME, TRTLLM_OPTIONS_NAME, WEIGHTS_NAME
-from ..io import DraftTrainError, load_tensors, save_tensors, write_json
+from ..io import DraftTrainError, save_tensors, write_json
+from ..layout import CONFIG_NAME, DFLASH_ARCHITECTURE, TRTLLM_OPTIONS_NAME, WEIGHTS_NAME
 
-__all__ = ["write_dflash", "read_dflash_export", "DFLASH_FORMATS", "zlab_config", "speculators_config"]
+__all__ = ["write_dflash", "DFLASH_FORMATS", "zlab_config", "speculators_config"]
 
 DFLASH_FORMATS = ("zlab", "vllm", "sglang", "trtllm")
-ARCHITECTURE = "DFlashDraftModel"
 
 
 def _layer_config(c, dtype: torch.dtype) -> dict:
@@ -47,7 +46,7 @@ def _layer_config(c, dtype: torch.dtype) -> dict:
 
 def zlab_config(c, dtype: torch.dtype) -> dict:
     return {
-        "architectures": [ARCHITECTURE], **_layer_config(c, dtype), "is_causal": False,
+        "architectures": [DFLASH_ARCHITECTURE], **_layer_config(c, dtype), "is_causal": False,
         "block_size": c.block_size, "num_target_layers": c.target_num_layers, "target_hidden_size": c.target_hidden_size,
         "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
                           "block_size": c.block_size, "causal": False},
@@ -90,54 +89,3 @@ def write_dflash(drafter, fmt: str, tmp: Path, dtype: torch.dtype, verifier: str
             "speculative_config:\n  decoding_type: DFlash\n"
             f"  max_draft_len: {k}\n  speculative_model_dir: {tmp.name}\n"
             f"  target_layer_ids: {list(c.target_layer_ids)}\n  mask_token_id: {c.mask_token_id}\n")
-
-
-def _need(d: dict, key: str, where: Path):
-    if key not in d:
-        raise DraftTrainError(f"{where}: DFlash config has no {key!r}")
-    return d[key]
-
-
-def read_dflash_export(directory: Path, raw: dict, target_model):
-    """A z-lab or speculators DFlash export -> ``(DFlashDrafterConfig, state_dict)``, sized against
-    ``target_model`` (its vocabulary, hidden size and depth)."""
-    from ..drafters.dflash import DFlashDrafterConfig, target_identity
-
-    where = directory / CONFIG_NAME
-    if raw.get("speculators_model_type") == "dflash":
-        layer = _need(raw, "transformer_layer_config", where)
-        ids = [int(t) - 1 for t in _need(raw, "aux_hidden_state_layer_ids", where)]
-        mask, block = _need(raw, "mask_token_id", where), raw.get("block_size", 8)
-        if raw.get("sliding_window_non_causal") is False and layer.get("use_sliding_window"):
-            raise DraftTrainError(f"{where}: a causal (sliding-window) DFlash draft is not what drafttrain decodes")
-    else:
-        layer, dc = raw, _need(raw, "dflash_config", where)
-        ids = [int(t) for t in _need(dc, "target_layer_ids", where)]
-        mask = _need(dc, "mask_token_id", where)
-        block = raw.get("block_size", dc.get("block_size"))
-        if raw.get("is_causal", dc.get("causal", False)):
-            raise DraftTrainError(f"{where}: is_causal=true (a block-causal draft, JetSpec-style); drafttrain's DFlash "
-                                  "decoder is bidirectional inside the block")
-    sd = load_tensors(directory / WEIGHTS_NAME)
-    if "mask_hidden" in sd:
-        raise DraftTrainError(f"{directory / WEIGHTS_NAME}: has a mask_hidden tensor (a P-EAGLE draft, not DFlash)")
-    sd = {n: t for n, t in sd.items() if n not in ("embed_tokens.weight", "lm_head.weight")}  # the target's own
-    ident = target_identity(target_model)
-    rope = layer.get("rope_scaling") or layer.get("rope_parameters")
-    config = DFlashDrafterConfig(
-        hidden_size=int(_need(layer, "hidden_size", where)), intermediate_size=int(_need(layer, "intermediate_size", where)),
-        num_attention_heads=int(_need(layer, "num_attention_heads", where)),
-        num_key_value_heads=int(layer.get("num_key_value_heads", layer["num_attention_heads"])),
-        head_dim=int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
-        vocab_size=int(layer.get("vocab_size", ident["vocab_size"])),
-        target_hidden_size=int(raw.get("target_hidden_size") or ident["target_hidden_size"]),
-        target_num_layers=int(raw.get("num_target_layers") or ident["target_num_layers"]),
-        target_layer_ids=ids, mask_token_id=int(mask), block_size=int(block) if block is not None else 8,
-        num_layers=int(_need(layer, "num_hidden_layers", where)), rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(layer.get("rope_theta", (rope or {}).get("rope_theta", 10000.0))),
-        rope_scaling=rope if isinstance(rope, dict) else None,
-        max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
-        target_name_or_path=str(raw.get("target_name_or_path")
-                                or (raw.get("speculators_config") or {}).get("verifier", {}).get("name_or_path", "")),
-    )
-    return config, sd

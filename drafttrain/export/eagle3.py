@@ -51,9 +51,9 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts import (CONFIG_NAME, LAYOUT_KEY, TRTLLM_ARCHITECTURE, TRTLLM_LAYER_PREFIX, TRTLLM_LAYOUT,
-                         TRTLLM_OPTIONS_NAME, WEIGHTS_NAME)
 from ..io import DraftTrainError, read_json, save_tensors, write_json
+from ..layout import (CONFIG_NAME, LAYOUT_KEY, TRTLLM_ARCHITECTURE, TRTLLM_LAYER_PREFIX, TRTLLM_LAYOUT,
+                      TRTLLM_OPTIONS_NAME, WEIGHTS_NAME)
 
 SPECULATORS_FORMAT = "0.9.0"  # the speculators config layout followed (vllm-project/speculators)
 

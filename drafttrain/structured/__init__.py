@@ -5,6 +5,7 @@ from .evalset import (
     builtin_structured_examples,
     function_call_schema,
     read_structured_jsonl,
+    structured_eval_set,
     validate_outputs,
     write_structured_jsonl,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "grammar_plan",
     "parse_spec",
     "read_structured_jsonl",
+    "structured_eval_set",
     "unpack_bitmask",
     "validate_outputs",
     "write_structured_jsonl",

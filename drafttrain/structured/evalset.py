@@ -35,6 +35,7 @@ import torch
 
 from ..data import stdlib
 from ..data.chat import ROLES, prompt_ids
+from ..data.select import EvalSet
 from ..io import DraftTrainError
 from .grammar import check_output, parse_spec
 
@@ -46,6 +47,7 @@ __all__ = [
     "validate_outputs",
     "answer_with_target",
     "write_structured_jsonl",
+    "structured_eval_set",
 ]
 
 INT_BOUND = 1_000_000  # |integer| and |number| arguments are at most this
@@ -340,6 +342,21 @@ def read_structured_jsonl(path: str | Path, limit: int | None = None) -> list[St
     if not out:
         raise DraftTrainError(f"{path}: no structured rows")
     return out
+
+
+def structured_eval_set(data_cfg) -> EvalSet:
+    """``data.source=structured``: the rows of ``data.eval_path`` / ``data.path`` (at most ``data.num_eval``), or
+    ``data.num_eval`` built-in structured prompts."""
+    n = int(data_cfg.num_eval)
+    path = data_cfg.eval_path or data_cfg.path
+    if path:
+        rows = read_structured_jsonl(path, limit=n or None)
+        return EvalSet(rows, f"{len(rows)} structured rows of {path}")
+    if n == 0:
+        raise DraftTrainError("data.num_eval=0 (every row) needs a structured prompt file (data.path)")
+    return EvalSet(builtin_structured_examples("eval", n, data_cfg.seed,
+                                               max_string_length=data_cfg.structured_max_string_length),
+                   f"{n} built-in structured prompts")
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import BuiltinTargetConfig
-from ..io import DraftTrainError, atomic_dir, write_json
+from ..io import DraftTrainError, atomic_dir, cache_root, write_json
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 # A reserved token that no text contains: block-parallel drafters (recipe=dflash) fill a block's slots 1..B-1
@@ -72,10 +72,6 @@ CHATML_TEMPLATE = (
 
 # The spec lives with the other structured configs (``target.builtin.*``); its hash names the cache entry.
 BuiltinSpec = BuiltinTargetConfig
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DRAFTTRAIN_CACHE", Path.home() / ".cache" / "drafttrain"))
 
 
 def builtin_path(spec: BuiltinSpec | None = None) -> Path:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import DraftTrainError
+from ..io import DraftTrainError, looks_local
 from .attention import use_grouped_sdpa
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -99,8 +99,6 @@ def _target_config(target_cfg, device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve_target_path(target_cfg)
-    from ..validate import looks_local
-
     if looks_local(path) and not Path(path).expanduser().is_dir():
         raise DraftTrainError(f"target.name_or_path={path}: no such directory (and not a hub name)")
     dev = resolve_device(target_cfg.device) if device is None else torch.device(device)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..io import DraftTrainError, atomic_dir, load_tensors, read_json, save_tensors, torch_load_safe, write_json
+from ..layout import CONFIG_NAME, DRAFTER_SUBDIR
 
 STATE = "state.json"
 EMA_FILE = "ema.safetensors"
@@ -302,3 +303,54 @@ def load_ema(path: Path) -> dict:
 def load_optimizer_state(path: Path) -> dict:
     """The saved optimizer state (tensors and numbers only: ``weights_only=True``)."""
     return torch_load_safe(Path(path) / "optimizer.pt")
+
+
+# ------------------------------------------------------------------------------- a checkpoint as a drafter
+def is_checkpoint(path) -> bool:
+    p = Path(path)
+    return (p / STATE).is_file() and (p / "drafter.safetensors").is_file()
+
+
+def drafter_dir(path) -> Path:
+    """``path`` itself for a saved drafter; for a training checkpoint, its drafter (built on first use).
+
+    ``drafttrain eval|export drafter=<run>/checkpoints/step_N``: a checkpoint holds the trainable weights and the
+    job's config, not a drafter directory (the frozen embedding is rebuilt from the target and not stored). The
+    drafter is rebuilt exactly as training built it (the recorded config, the recorded target), the checkpoint's
+    weights are loaded into it, and it is saved once, atomically, as ``<checkpoint>/drafter`` (a normal
+    saved-drafter directory that eval, export and the engines read); later calls reuse it."""
+    p = Path(path)
+    if (p / CONFIG_NAME).exists() or not is_checkpoint(p):
+        return p
+    out = p / DRAFTER_SUBDIR
+    if (out / CONFIG_NAME).exists():
+        return out
+    _materialize(p, out)
+    return out
+
+
+def _materialize(ckpt: Path, out: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from ..config import TrainJob
+    from ..targets.load import load_target, target_id
+    from .method import make_method
+
+    meta = read_checkpoint_meta(ckpt)
+    if not isinstance(meta.get("config"), dict):
+        raise DraftTrainError(f"{ckpt / STATE}: no recorded job config (a checkpoint from an older drafttrain?)")
+    job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainJob), meta["config"]))
+    print(f"[drafttrain] {ckpt} is a training checkpoint (step {meta.get('step')}): rebuilding its "
+          f"{job.method} drafter into {out}", flush=True)
+    model, tokenizer, path = load_target(job.target, device="cpu")
+    if meta.get("target") and str(meta["target"]) != str(path):
+        raise DraftTrainError(f"{ckpt}: trained for target {meta['target']}, which now resolves to {path}")
+    method = make_method(job, tokenizer, model)
+    drafter = method.build_drafter(model, [], target_id(path))  # d2t/t2d come from the checkpoint
+    load_drafter_weights(ckpt, drafter)
+    if (ckpt / EMA_FILE).exists():  # train.ema_decay: the run's drafter is the weight average (what final/ holds)
+        _, unexpected = drafter.load_state_dict(load_ema(ckpt), strict=False)
+        if unexpected:
+            raise DraftTrainError(f"{ckpt / EMA_FILE}: tensors this drafter does not have: {unexpected[:3]}")
+        print(f"[drafttrain] {ckpt}: the drafter holds the checkpoint's weight average ({EMA_FILE})", flush=True)
+    drafter.save_pretrained(out)

@@ -24,7 +24,7 @@ from ..drafters.dflash import DFlashDrafter, block_mask, default_gamma, resolve_
 from ..io import DraftTrainError
 from ..losses import dflash_slot_stats, dflash_slot_weights, dpace_weights
 from ..targets.load import gather_taps, num_layers
-from .method import MethodDefaults, position_means
+from .base import MethodDefaults, position_means
 
 
 @dataclass

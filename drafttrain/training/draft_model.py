@@ -32,7 +32,7 @@ from ..data.packing import lm_inputs
 from ..drafters.draft_lm import DraftLM, build_draft_lm, on_policy_records, sample_on_policy
 from ..io import DraftTrainError
 from ..losses import KD_KINDS, ce_loss, kd_loss, next_token_mask
-from .method import MethodDefaults
+from .base import MethodDefaults
 
 
 def parse_loss(spec: str) -> str | dict[str, float]:

@@ -19,7 +19,7 @@ from ..losses import (EAGLE3_LOSSES, Eagle3Teacher, combine_step_losses, eagle3_
                       eagle3_valid_mask, feature_regression_sum, step_weights, teacher_from_hidden,
                       teacher_from_logits)
 from ..targets.load import gather_taps, num_layers, resolve_taps, text_config
-from .method import MethodDefaults, chain_tau, position_means
+from .base import MethodDefaults, chain_tau, position_means
 
 
 @dataclass
@@ -97,7 +97,7 @@ class Eagle3Method(MethodDefaults):
         if self.ttt_steps < 1:
             raise DraftTrainError(f"eagle3.ttt_steps={self.ttt_steps}: must be >= 1")
         self.weights = step_weights(self.ttt_steps, cfg.step_decay)
-        self.curriculum = int(getattr(cfg, "ttt_curriculum", 0))
+        self.curriculum = int(cfg.ttt_curriculum)
         self.depth = ttt_depth(0, self.ttt_steps, self.curriculum)  # steps unrolled now (begin_step updates it)
         # every stop token stays in the draft vocabulary (Llama-3 / Qwen3 list several; a rare one would
         # otherwise fall out and the drafter could never propose the end of an answer)
@@ -108,15 +108,15 @@ class Eagle3Method(MethodDefaults):
         self.compact = bool(cfg.compact_teacher)
         self.checkpoint_head = bool(cfg.checkpoint_head)
         self.recompute_teacher = bool(cfg.recompute_teacher)
-        self.feature_noise = float(getattr(cfg, "feature_noise", 0.0))
-        self.teacher_temperature = float(getattr(cfg, "teacher_temperature", 1.0))
-        self.topk_distill = int(getattr(cfg, "topk_distill", 0))
-        self.topk_distill_weight = float(getattr(cfg, "topk_distill_weight", 1.0))
-        self.align_top_k = int(getattr(cfg, "align_top_k", 0))
-        self.score_oov = bool(getattr(cfg, "score_oov", False))
-        self.answer_chains = bool(getattr(cfg, "answer_chains", False))
-        self.score_prompt = bool(getattr(cfg, "score_prompt", False))
-        self.feature_weight = float(getattr(cfg, "feature_loss_weight", 0.0))
+        self.feature_noise = float(cfg.feature_noise)
+        self.teacher_temperature = float(cfg.teacher_temperature)
+        self.topk_distill = int(cfg.topk_distill)
+        self.topk_distill_weight = float(cfg.topk_distill_weight)
+        self.align_top_k = int(cfg.align_top_k)
+        self.score_oov = bool(cfg.score_oov)
+        self.answer_chains = bool(cfg.answer_chains)
+        self.score_prompt = bool(cfg.score_prompt)
+        self.feature_weight = float(cfg.feature_loss_weight)
 
     def build_drafter(self, target_model, examples, target_name: str) -> Eagle3Drafter:
         V = target_model.get_output_embeddings().weight.shape[0]
@@ -134,7 +134,7 @@ class Eagle3Method(MethodDefaults):
             init_layer=self.cfg.init_layer, norm_before_residual=self.cfg.norm_before_residual,
             norm_before_fc=self.cfg.norm_before_fc,
         )
-        if getattr(self.cfg, "freeze_lm_head", False):
+        if self.cfg.freeze_lm_head:
             drafter.freeze_lm_head()
         return drafter
 

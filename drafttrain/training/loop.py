@@ -449,7 +449,7 @@ def evaluate_checkpoint(run: Run, step: int) -> None:
             run.say(f"train.eval_checkpoints: skipped under {skip}; evaluate checkpoints with drafttrain eval")
         return
     if acc.is_main_process:
-        from ..eval import evaluate_drafter
+        from ..evaluation import evaluate_drafter
 
         model = _whole_target(run, "train.eval_checkpoints with capture.mode=offline: loading the whole target on "
                                    "the main process (once) to decode")
@@ -470,7 +470,7 @@ def final_evaluation(run: Run) -> dict | None:
     job, tc = run.job, run.job.train
     if not (tc.eval and run.main and len(run.eval_convs)):
         return None
-    from ..eval import add_sampled_row, evaluate_drafter
+    from ..evaluation import add_sampled_row, evaluate_drafter
 
     est = run.method.estimated_tau(run.train_metrics, job.decode.num_draft_tokens) if run.train_metrics else None
     model = _whole_target(run, "loading the whole target for the evaluation")

@@ -32,16 +32,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..artifacts import (ADAPTER_DIR, ADAPTER_KEY, CONFIG_NAME, HEADS_DIR, HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE,
-                         TARGET_KEY, TYPE_KEY, WEIGHTS_NAME, load_medusa_heads)
 from ..data.packing import lm_inputs
 from ..decoding.tree import medusa_choices_from_accuracy
-from ..drafters.medusa import MedusaHeads, final_hidden
+from ..drafters.medusa import MedusaHeads, final_hidden, load_medusa_heads
 from ..io import DraftTrainError, atomic_dir, save_tensors, write_json
+from ..layout import (ADAPTER_DIR, ADAPTER_KEY, CONFIG_NAME, HEADS_DIR, HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE,
+                      TARGET_KEY, TYPE_KEY, WEIGHTS_NAME)
 from ..lora import add_lora, lora_target_modules
 from ..losses import (combine_step_losses, kd_loss, medusa_head_stats, medusa_head_weights, medusa_valid_mask,
                       next_token_mask)
-from .method import MethodDefaults, chain_tau, position_means
+from .base import MethodDefaults, chain_tau, position_means
 
 __all__ = ["MedusaTrainable", "MedusaMethod", "self_distillation_kl"]
 

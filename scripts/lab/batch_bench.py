@@ -6,7 +6,7 @@
 
 Each drafter (``pld`` needs none) is one ``drafttrain eval … decode.batch_sizes=[…]`` run: every batch size
 decodes the same ``--prompts`` held-out prompts, greedy, chain, K = 4, batched AR against batched speculative,
-the batch-1 decoder beside (drafttrain/batch_sweep.py). Writes ``<out>/batch.json`` (every run's
+the batch-1 decoder beside (drafttrain/evaluation/batch_sweep.py). Writes ``<out>/batch.json`` (every run's
 ``batch_sweep``) and prints one markdown table per drafter; each run directory keeps its report.json and
 batch_speedup.png. An existing report.json is reused (delete it to measure again).
 """
@@ -41,7 +41,7 @@ def run_one(out: Path, name: str, drafter: str | None, a) -> dict:
 
 
 def main() -> None:
-    from drafttrain.batch_sweep import format_table
+    from drafttrain.evaluation.batch_sweep import format_table
     from drafttrain.io import write_json
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

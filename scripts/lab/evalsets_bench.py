@@ -1,5 +1,5 @@
 """τ per category on the standard evaluation sets for the built-in target: EAGLE-3, Medusa-1, the draft model and
-prompt lookup, each through `drafttrain eval eval.set=…` (the per-category table of drafttrain.evalsets).
+prompt lookup, each through `drafttrain eval eval.set=…` (the per-category table of drafttrain.evaluation.evalsets).
 
     python scripts/lab/evalsets_bench.py --out /tmp/evalsets --sets humaneval \
         /work/shared/evalsets/spec_bench/question.jsonl --per-category 0 5 --max-new-tokens 64

@@ -1,7 +1,7 @@
 """Speedup against batch size: where speculative decoding stops paying (``drafttrain eval decode.batch_sizes=[…]``).
 
 For each batch size B the same prompts are decoded by the batched AR and speculative decoders
-(:mod:`drafttrain.decoding.batched`, through ``eval._measure_batched``: the two back to back per pass), B rows
+(:mod:`drafttrain.decoding.batched`, through ``eval.measure_batched``: the two back to back per pass), B rows
 at a time with finished rows refilled (``decode.continuous_batching``, default; false: groups of B), giving AR
 tokens/s, speculative tokens/s, τ, α per position and the speedup, side by side. Batch 1 is also run on
 today's batch-1 path (:class:`~drafttrain.decoding.engine.SpecDecoder`), so a regression of the batched code
@@ -34,7 +34,8 @@ from typing import Sequence
 
 import torch
 
-from .io import DraftTrainError
+from ..io import DraftTrainError
+from .measure import batched_decoders, measure, measure_batched
 
 
 def _with_batch(decode, batch_size: int):
@@ -87,7 +88,7 @@ def target_costs(model, batch_sizes: Sequence[int], tokens: Sequence[int], conte
     Each forward is rolled back by index before the next one, so every timing sees the same context. The
     ``reps`` timings of a shape are spread over ``reps`` passes through every shape (interleaved), so a burst
     of load on a shared machine does not land on one shape's timings only."""
-    from .decoding.batched import BatchRunner
+    from ..decoding.batched import BatchRunner
 
     V = int(vocab or _vocab(model))
     g = torch.Generator().manual_seed(0)
@@ -111,7 +112,7 @@ def target_costs(model, batch_sizes: Sequence[int], tokens: Sequence[int], conte
 
 
 def _vocab(model) -> int:
-    from .targets.load import text_config
+    from ..targets.load import text_config
 
     return int(text_config(model.config).vocab_size)
 
@@ -152,7 +153,7 @@ def decode_phase(row: dict) -> tuple[float | None, float | None]:
 
 
 def _row(B: int, m, path: str) -> dict:
-    from .decoding.engine import aggregate
+    from ..decoding.engine import aggregate
 
     A, S = aggregate(m.ar), aggregate(m.spec)
     ar_tps, sp_tps = A["tokens_per_s"], S["tokens_per_s"]
@@ -167,7 +168,6 @@ def _row(B: int, m, path: str) -> dict:
 def batch_sweep(run, batch_sizes: Sequence[int], *, cost_reps: int = 9) -> dict:
     """Measure speedup against batch size on ``run``'s prompts (an ``eval.EvalRun``; every B decodes the same
     prompts) and predict it (module docstring). Returns the report's ``batch_sweep`` section."""
-    from .eval import _batched_decoders, _measure_batched, measure
 
     sizes = sorted({int(b) for b in batch_sizes})
     if not sizes or sizes[0] < 1:
@@ -184,8 +184,8 @@ def batch_sweep(run, batch_sizes: Sequence[int], *, cost_reps: int = 9) -> dict:
         one = _row(1, measure(run), "batch-1 decoder")  # today's path, for the regression ratio at B = 1
         for B in sizes:
             run.decode = _with_batch(decode0, B)
-            run.batched = _batched_decoders(run, run.ar.target)
-            m = _measure_batched(run)
+            run.batched = batched_decoders(run, run.ar.target)
+            m = measure_batched(run)
             row = _row(B, m, "batched")
             row["spec_target_forwards"] = run.batched[1].target.num_forwards  # prefills + verify rounds, all groups
             draft, row["rounds"], row["mean_rows_per_round"] = _call_rounds(m.calls)
@@ -263,7 +263,7 @@ def plot_batch_sweep(sweep: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .io import save_figure
+    from ..io import save_figure
 
     rows = sweep["rows"]
     bs = [r["batch_size"] for r in rows]

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from .artifacts import load_draft_model, load_eagle3
-from .config import DEFAULT_BUCKETS
-from .io import DraftTrainError, write_json
+from ..artifacts import load_draft_model, load_eagle3
+from ..config import DEFAULT_BUCKETS
+from ..io import DraftTrainError, write_json
 
 # ---------------------------------------------------------------------------------------------- helpers
 class ForwardCounter:
@@ -59,7 +59,7 @@ class _Ours:
         self.label, self.dec, self.eos, self.max_new = label, decoder, eos, max_new
 
     def run(self, prompts):
-        from .decoding.engine import aggregate
+        from ..decoding.engine import aggregate
 
         t0 = time.perf_counter()
         res = [self.dec.generate(p, self.max_new, self.eos) for p in prompts]
@@ -128,8 +128,8 @@ class _Plan:
     def proposer(self, method, drafter=None, k=1, **tree):
         """A row's proposer, as ``drafttrain eval decode.method=<method>`` builds it: ``k`` draft tokens (pld), a
         tree when given its depth, top_k and total_tokens."""
-        from .config import DecodeConfig, TreeConfig
-        from .decoding.build import make_proposer
+        from ..config import DecodeConfig, TreeConfig
+        from ..decoding.build import make_proposer
 
         decode = DecodeConfig(method=method, num_draft_tokens=k, pld_max_ngram=self.pld_max_ngram,
                               tree=TreeConfig(enabled=bool(tree), **tree), static_shapes=self.static_shapes,
@@ -137,7 +137,7 @@ class _Plan:
         return make_proposer(method, drafter=drafter, decode=decode, max_len=self.max_len)
 
     def ours(self, label, proposer, K, taps=None):
-        from .decoding import SpecDecoder, TargetRunner
+        from ..decoding import SpecDecoder, TargetRunner
 
         if taps not in self.runners:
             self.runners[taps] = TargetRunner(self.model, taps=taps, **self.rkw)
@@ -247,8 +247,8 @@ def bench(model, tokenizer, prompts, *, drafter=None, draft_model=None, methods=
     """Run the benchmark; returns ``{"rows": [...], ...}`` (see the module docstring)."""
     from transformers.utils import logging as hf_logging
 
-    from .decoding.build import cache_length, target_taps
-    from .data.chat import stop_token_ids
+    from ..decoding.build import cache_length, target_taps
+    from ..data.chat import stop_token_ids
 
     if not prompts:
         raise DraftTrainError("bench: no prompts")
@@ -291,9 +291,10 @@ def format_table(result: dict) -> str:
 
 
 def _setup(job):
-    from .artifacts import recorded_target
-    from .data.select import eval_conversations, eval_prompt_ids
-    from .targets.load import load_target, target_id
+    from ..artifacts import recorded_target
+    from ..data.select import eval_prompt_ids
+    from .evalsets import eval_conversations
+    from ..targets.load import load_target, target_id
 
     if job.threads > 0:
         torch.set_num_threads(job.threads)
@@ -308,7 +309,7 @@ def _setup(job):
 def run_bench(job, run_dir: Path) -> dict:
     """``drafttrain bench``: ``job`` is a ``BenchJob`` (drafttrain/config.py); bench.json and bench.md go into
     ``run_dir``."""
-    from .io import atomic_path
+    from ..io import atomic_path
 
     model, tokenizer, path, tname, prompts = _setup(job)
     dev = next(model.parameters()).device
@@ -341,8 +342,8 @@ def run_bench(job, run_dir: Path) -> dict:
 # ------------------------------------------------------------------------------------------------- tune
 def _tune_chain(runner, proposer, decode_all, verify: dict, max_draft_tokens: int) -> dict:
     """Chains: acceptance per position and draft costs at the longest draft length; the best K."""
-    from .decoding import SpecDecoder
-    from .decoding.tune import choose_chain_length
+    from ..decoding import SpecDecoder
+    from ..decoding.tune import choose_chain_length
 
     K = max_draft_tokens
     if getattr(proposer, "name", "") == "medusa":
@@ -367,8 +368,8 @@ def _tune_chain(runner, proposer, decode_all, verify: dict, max_draft_tokens: in
 def _tune_tree(runner, proposer, decode, decode_all, verify: dict, tree_sizes, other_ar: float, ar_round: float,
                log) -> dict:
     """Trees: tau and draft time measured at each size of ``tree_sizes``; the best total_tokens."""
-    from .decoding import SpecDecoder
-    from .decoding.tune import choose_tree_size
+    from ..decoding import SpecDecoder
+    from ..decoding.tune import choose_tree_size
 
     measured = []
     for size in tree_sizes:
@@ -391,10 +392,10 @@ def _tune_tree(runner, proposer, decode, decode_all, verify: dict, tree_sizes, o
 def tune(model, tokenizer, prompts, proposer, decode, *, taps=None, method: str, max_draft_tokens: int = 8,
          tree_sizes=(8, 16, 32, 48, 64), max_new_tokens: int = 64, repeats: int = 5, log=print) -> dict:
     """Measure acceptance and costs on ``prompts`` and pick the draft length (chains) or tree size (trees)."""
-    from .decoding import SpecDecoder, TargetRunner, aggregate
-    from .decoding.build import cache_length, static_options
-    from .decoding.tune import measure_verify_cost
-    from .data.chat import stop_token_ids
+    from ..decoding import SpecDecoder, TargetRunner, aggregate
+    from ..decoding.build import cache_length, static_options
+    from ..decoding.tune import measure_verify_cost
+    from ..data.chat import stop_token_ids
 
     eos = stop_token_ids(model, tokenizer)
     is_tree = bool(getattr(proposer, "tree", False))
@@ -429,14 +430,14 @@ def tune(model, tokenizer, prompts, proposer, decode, *, taps=None, method: str,
 
 
 def _no_draft():
-    from .decoding import NoDraft
+    from ..decoding import NoDraft
 
     return NoDraft()
 
 
 def _tune_proposer(job, model, prompts):
     """The proposer ``drafttrain tune`` measures, and the drafter (EAGLE-3) it runs on."""
-    from .decoding.build import cache_length, make_proposer
+    from ..decoding.build import cache_length, make_proposer
 
     dev = next(model.parameters()).device
     method = job.decode.method
@@ -456,7 +457,7 @@ def _tune_proposer(job, model, prompts):
 
 def run_tune(job, run_dir: Path) -> dict:
     """``drafttrain tune``: ``job`` is a ``TuneJob`` (drafttrain/config.py); tune.json goes into ``run_dir``."""
-    from .decoding.build import target_taps
+    from ..decoding.build import target_taps
 
     model, tokenizer, path, tname, prompts = _setup(job)
     method = job.decode.method

@@ -1,5 +1,6 @@
-"""Standard evaluation sets in the speculative decoder: a question set's turns as prompts, and τ, α per position
-and speedup per category.
+"""Evaluation sets in the speculative decoder: which rows a decoding job reads (``eval_conversations``: data's
+evaluation rows or structured rows), a question set's turns as prompts, and τ, α per position and speedup per
+category.
 
 ``turn_prompts`` turns each question into one prompt per turn. A multi-turn question is answered turn by turn:
 turn t's prompt is the chat of the earlier user turns with the target's own greedy answers (our AR decoder,
@@ -18,10 +19,20 @@ import dataclasses
 from collections import Counter
 from pathlib import Path
 
-from .data.select import EvalSet
+from ..data.select import EvalSet
+from ..data.select import eval_conversations as data_eval_conversations
+from ..structured import structured_eval_set
 
-__all__ = ["TurnPrompt", "turn_prompts", "prompt_labels", "decode_settings", "category_rows", "print_categories",
+__all__ = ["eval_conversations", "TurnPrompt", "turn_prompts", "prompt_labels", "decode_settings", "category_rows", "print_categories",
            "plot_categories"]
+
+
+def eval_conversations(data_cfg, target_path: str | None = None) -> EvalSet:
+    """The rows a decoding job (eval, bench, tune) reads: ``data.source=structured`` -> prompts with a JSON schema
+    each (``structured.structured_eval_set``); any other source -> ``data.select.eval_conversations``."""
+    if data_cfg.source == "structured":
+        return structured_eval_set(data_cfg)
+    return data_eval_conversations(data_cfg, target_path)
 
 
 @dataclasses.dataclass
@@ -38,7 +49,7 @@ class TurnPrompt:
 
 
 def _context_limit(model) -> int | None:
-    from .targets.load import text_config
+    from ..targets.load import text_config
 
     n = getattr(text_config(model.config), "max_position_embeddings", None)
     return int(n) if n else None
@@ -46,9 +57,9 @@ def _context_limit(model) -> int | None:
 
 def _answerer(model, decode, limit: int | None):
     """Greedy AR in drafttrain's decoder (dynamic cache: prompts grow turn by turn)."""
-    from .decoding.engine import SpecDecoder
-    from .decoding.proposers import NoDraft
-    from .decoding.target import TargetRunner
+    from ..decoding.engine import SpecDecoder
+    from ..decoding.proposers import NoDraft
+    from ..decoding.target import TargetRunner
 
     return SpecDecoder(TargetRunner(model, taps=None, max_len=limit, cache="dynamic"), NoDraft(), 0, seed=decode.seed)
 
@@ -57,8 +68,8 @@ def turn_prompts(model, tokenizer, qset, decode) -> tuple[EvalSet, dict]:
     """The prompts of every turn of ``qset`` (a ``QuestionSet``) and what was decoded: ``(EvalSet of
     TurnPrompt, info)``; ``info`` (the report's ``eval_set``) names the set, counts questions, turns and
     skipped turns per category."""
-    from .data.chat import prompt_ids, stop_token_ids
-    from .decoding.build import draft_positions
+    from ..data.chat import prompt_ids, stop_token_ids
+    from ..decoding.build import draft_positions
 
     limit = _context_limit(model)
     room = decode.max_new_tokens + draft_positions(decode) + 1
@@ -107,7 +118,7 @@ def decode_settings(report: dict) -> str:
 def category_rows(ar: list, spec: list, match: list, labels: list, settings: str, greedy: bool) -> list[dict]:
     """Per category (in first-appearance order): τ, α, acceptance per position, tokens/s, speedup, pooled over
     its prompts' generations (all timed passes); ``ar``/``spec``/``match`` are ``Measured``'s lists (pass-major)."""
-    from .decoding.engine import aggregate
+    from ..decoding.engine import aggregate
 
     n = len(labels)
     rows = []
@@ -160,7 +171,7 @@ def plot_categories(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .io import save_figure
+    from ..io import save_figure
 
     rows = report.get("categories") or []
     names = [r["category"] for r in rows] + ["total"]
