@@ -177,6 +177,25 @@ def test_greedy_equals_ar_and_a_fitted_drafter_is_accepted(target):
     assert res.num_accepted / res.num_rounds > 1.5  # the fitted blocks are accepted: several tokens per round
 
 
+def test_batched_decoding_equals_batch_one(target):
+    """decode.batch_size > 1: every row's output equals batch-1 AR, in one batch, under continuous batching (a
+    finished row refilled by a newcomer of another length) and with static shapes; the fitted drafter's
+    blocks are accepted there too."""
+    from drafttrain.decoding.batched import BatchSpecDecoder
+
+    torch.manual_seed(4)
+    prompts = [torch.randint(0, V - 1, (n,)).tolist() for n in (10, 6, 13, 8, 11)]
+    limits = [30, 12, 25, 18, 9]
+    ar = [SpecDecoder(TargetRunner(target), NoDraft(), 0).generate(p, n).tokens for p, n in zip(prompts, limits)]
+    fitted = _trained_copy(target, torch.tensor([prompts[0] + ar[0]]))
+    for d in (make_drafter(target, block=6), fitted):
+        for width, static in ((None, False), (2, False), (3, True)):
+            runner = TargetRunner(target, taps=d.config.hf_taps, max_len=96, static_shapes=static, buckets=(1, 2, 4, 8))
+            out = BatchSpecDecoder(runner, DFlashProposer(d, max_len=96), 4).generate(prompts, limits, batch_size=width)
+            assert out.tokens == ar, (width, static)
+    assert out.results[0].num_accepted > out.results[0].num_rounds  # the fitted drafter's first prompt: drafts accepted in the batch as at batch 1
+
+
 # --------------------------------------------------------------------------------- lossless sampling
 class ToyTarget(nn.Module):
     """The toy LM of test_decoding (logits = table[x_{t-1}, x_t]) with an embedding and head a DFlash drafter

@@ -63,7 +63,7 @@ from .proposers import DraftModelProposer, Eagle3ChainProposer, MedusaChainPropo
 from .sampling import SamplingParams, sample, verify_chain_greedy, verify_chain_sampling
 from .target import DEFAULT_BUCKETS, TargetRunner, _layer_kinds, _sync, compile_static, static_cache_support
 
-CHAIN_ONLY = "decode.batch_size>1 supports chain methods only (ar, pld, eagle3, medusa, draft_model)"
+CHAIN_ONLY = "decode.batch_size>1 supports chain methods only (ar, pld, eagle3, medusa, draft_model, dflash)"
 
 
 # ------------------------------------------------------------------------------------- per-row cache
@@ -826,6 +826,8 @@ def _batch_proposer(proposer, max_len: int, K: int):
         return _BatchEagle3(proposer, capacity=max_len + 2 * K + 8)
     if isinstance(proposer, DraftModelProposer):
         return _BatchDraftModel(proposer, max_len=max_len + K + 1, slack=K + 8)
+    if hasattr(proposer, "batched"):  # a family's own batched state, beside its batch-1 proposer (DFlash)
+        return proposer.batched(max_len, K)
     raise DraftTrainError(f"{CHAIN_ONLY}: no batched version of proposer {getattr(proposer, 'name', proposer)!r}")
 
 

@@ -73,3 +73,101 @@ class DFlashProposer:
         if self.cache.length + 1 != len(tokens):
             raise RuntimeError(f"DFlash drafter out of step: {self.cache.length} context positions, "
                                f"{len(tokens)} committed tokens")
+
+    def batched(self, max_len: int, K: int):
+        """The batched decoder's state for this proposer (decoding/batched.py, ``decode.batch_size > 1``)."""
+        return BatchDFlash(self, capacity=max_len + K + 8)
+
+
+class BatchDFlash:
+    """DFlash over B rows (decode.batch_size > 1, continuous batching): one drafter forward per round drafts every
+    row's block. Row b's context entries (positions 0..n_b - 1) sit in slots 0..n_b - 1 of a ``[rows, kv,
+    capacity, D]`` buffer per layer; a row sees its own first n_b slots only (``draft_blocks``' per-row lengths).
+    A context entry depends on its own position alone, so rows are written independently, padding included."""
+
+    def __init__(self, proposer: DFlashProposer, capacity: int):
+        self.drafter, self.device, self.dtype = proposer.drafter, proposer.device, proposer.dtype
+        self.capacity = int(capacity)
+        self.rows: int | None = None  # the decoder's physical rows (static shapes); default: the first batch
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+        self.n = torch.zeros(0, dtype=torch.long)
+
+    def _buffers(self, rows: int) -> None:
+        c = self.drafter.config
+        shape = (rows, c.num_key_value_heads, self.capacity, c.head_dim)
+        self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(c.num_layers)]
+        self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(c.num_layers)]
+
+    def _write(self, rows: Tensor, taps: Tensor, start: Tensor, real: Tensor) -> None:
+        """Entries of ``rows`` at positions ``start[b] + j`` from ``taps [N, m, D]`` (``real [N, m]``: the rest is
+        padding, never written)."""
+        m = taps.shape[1]
+        pos = start[:, None] + torch.arange(m, device=self.device)
+        if int((pos * real).max()) >= self.capacity:
+            raise ValueError(f"DFlash draft cache overflow: {int(pos.max()) + 1} > {self.capacity}")
+        kv = self.drafter.context_kv(taps.to(self.device, self.dtype), pos)
+        r, j = torch.nonzero(real, as_tuple=True)
+        for li, (k, v) in enumerate(kv):
+            self.k[li][rows[r], :, pos[r, j]] = k[r, :, j].to(self.dtype)
+            self.v[li][rows[r], :, pos[r, j]] = v[r, :, j].to(self.dtype)
+
+    def _context(self, prompts, taps) -> tuple[Tensor, Tensor]:
+        if taps is None:
+            raise ValueError("DFlashProposer needs target taps: build the TargetRunner with taps=")
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
+        m = int(lens.max())
+        return taps[:, :m], torch.arange(m, device=self.device)[None] < lens[:, None]
+
+    def prefill(self, prompts, taps, firsts) -> None:
+        self._buffers(max(int(self.rows or 0), len(prompts)))
+        t, real = self._context(prompts, taps)
+        rows = torch.arange(len(prompts), device=self.device)
+        self._write(rows, t, torch.zeros(len(prompts), dtype=torch.long, device=self.device), real)
+        self.n = real.sum(1)
+
+    def admit(self, prompts, taps, firsts) -> None:
+        B0, N = self.n.shape[0], len(prompts)
+        if B0 + N > self.k[0].shape[0]:
+            raise ValueError(f"{B0} + {N} rows, the draft cache has {self.k[0].shape[0]}")
+        t, real = self._context(prompts, taps)
+        self._write(torch.arange(B0, B0 + N, device=self.device), t,
+                    torch.zeros(N, dtype=torch.long, device=self.device), real)
+        self.n = torch.cat([self.n, real.sum(1)])
+
+    @torch.no_grad()
+    def propose(self, tokens, ks, sampling):
+        from .batched import _draft_tokens, _split
+
+        k = min(max(ks), self.drafter.config.block_size - 1)
+        if k <= 0:
+            return [[] for _ in tokens], [None for _ in tokens]
+        B = len(tokens)
+        C = int(self.n.max())
+        anchors = torch.tensor([t[-1] for t in tokens], dtype=torch.long, device=self.device)
+        logits = self.drafter.draft_blocks([x[:B, :, :C] for x in self.k], [x[:B, :, :C] for x in self.v],
+                                           self.n, anchors, num_slots=k)  # [B, k, V]
+        drafts, qs = [], []
+        for i in range(k):
+            drafts.append(_draft_tokens(logits[:, i], sampling, qs))
+        return _split(drafts, qs, [min(kb, k) for kb in ks])
+
+    @torch.no_grad()
+    def accept(self, tokens, accepted, taps) -> None:
+        if taps is None:
+            raise ValueError("DFlashProposer.accept needs the target taps at [pending, d_1..d_a]")
+        a = torch.tensor(accepted, dtype=torch.long, device=self.device)
+        m = int(a.max()) + 1
+        real = torch.arange(m, device=self.device)[None] <= a[:, None]
+        self._write(torch.arange(len(tokens), device=self.device), taps[:, :m], self.n, real)
+        self.n = self.n + a + 1
+
+    def select_rows(self, rows) -> None:
+        from .batched import _moves
+
+        keep = [int(r) for r in rows]
+        dst, src = _moves(keep)
+        if dst:
+            for t in (*self.k, *self.v):
+                t[dst] = t[src]
+        self.n = self.n[torch.tensor(keep, dtype=torch.long, device=self.n.device)]

@@ -415,6 +415,15 @@ class DFlashDrafter(nn.Module):
                            dtype=dtype or self.fc.weight.dtype)
 
     @torch.no_grad()
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the context keys / values ``[B, kv, n, D]`` of target hidden states ``taps [B, n, K*H_t]`` at
+        rotary ``positions [B, n]`` (or ``[n]``). A context entry depends on its own position only, so any split of
+        the context into pieces gives the same entries."""
+        ctx = self.fuse(taps)
+        cos, sin = self.rotary(positions, ctx.dtype)
+        return [layer.self_attn.key_value(ctx, cos, sin) for layer in self.layers]
+
+    @torch.no_grad()
     def append_context(self, cache: DFlashCache, taps: torch.Tensor, start: int) -> None:
         """Write the context entries of positions ``start .. start + n - 1`` from target hidden states
         ``taps [n, K*H_t]`` (``start`` must equal the cache's length: the context grows by committed tokens)."""
@@ -424,32 +433,46 @@ class DFlashDrafter(nn.Module):
         if start + n > cache.max_len:
             raise ValueError(f"DFlash cache overflow: {start} + {n} > {cache.max_len}")
         dev = cache.k[0].device
-        ctx = self.fuse(taps.to(dev).unsqueeze(0))
-        pos = torch.arange(start, start + n, device=dev)
-        cos, sin = self.rotary(pos, ctx.dtype)
-        for li, layer in enumerate(self.layers):
-            k, v = layer.self_attn.key_value(ctx, cos, sin)
+        kv = self.context_kv(taps.to(dev).unsqueeze(0), torch.arange(start, start + n, device=dev))
+        for li, (k, v) in enumerate(kv):
             cache.k[li][:, :, start:start + n] = k.to(cache.k[li].dtype)
             cache.v[li][:, :, start:start + n] = v.to(cache.v[li].dtype)
         cache.length = start + n
+
+    @torch.no_grad()
+    def draft_blocks(self, ks: list[torch.Tensor], vs: list[torch.Tensor], lengths: torch.Tensor,
+                     anchors: torch.Tensor, num_slots: int | None = None) -> torch.Tensor:
+        """One forward over B rows' blocks [anchor, mask × (block_size - 1)] at positions ``lengths[b] ..``; row b
+        sees its first ``lengths[b]`` context entries of ``ks[layer] / vs[layer]`` ``[B, kv, C, D]`` (C ≥ every
+        length) and its whole block. Returns the logits of slots 1..``num_slots`` ``[B, num_slots, V]``."""
+        c = self.config
+        Bs = c.block_size
+        n = Bs - 1 if num_slots is None else int(num_slots)
+        dev = ks[0].device
+        B, C = anchors.shape[0], ks[0].shape[2]
+        ids = torch.full((B, Bs), c.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = anchors.to(dev)
+        x = self.embed(ids)
+        lengths = lengths.to(dev)
+        cos, sin = self.rotary(lengths[:, None] + torch.arange(Bs, device=dev), x.dtype)
+        mask = None
+        if B > 1 or C != int(lengths.max()):  # rows of other lengths (or a longer buffer): hide the slots past each
+            seen = torch.arange(C, device=dev)[None] < lengths[:, None]
+            mask = torch.cat([seen, torch.ones(B, Bs, dtype=torch.bool, device=dev)], 1)[:, None].expand(B, Bs, C + Bs)
+        for li, layer in enumerate(self.layers):
+            x = layer(x, ks[li], vs[li], cos, sin, mask)
+        return self.logits(self.norm(x[:, 1:n + 1]))
 
     @torch.no_grad()
     def draft_block(self, cache: DFlashCache, anchor: int | torch.Tensor, num_slots: int | None = None) -> torch.Tensor:
         """One forward over the block [anchor, mask × (B-1)] at positions ``cache.length ..`` (the anchor is
         the pending token, just after the committed context). Returns the logits of slots 1..``num_slots``
         (default B-1) ``[num_slots, V]``: slot k proposes the token k positions after the anchor."""
-        c = self.config
-        Bs = c.block_size
-        n = Bs - 1 if num_slots is None else int(num_slots)
         L = cache.length
         dev = cache.k[0].device
-        ids = torch.full((1, Bs), c.mask_token_id, dtype=torch.long, device=dev)
-        ids[0, 0] = anchor if not isinstance(anchor, torch.Tensor) else anchor.to(dev)
-        x = self.embed(ids)
-        cos, sin = self.rotary(torch.arange(L, L + Bs, device=dev), x.dtype)
-        for li, layer in enumerate(self.layers):
-            x = layer(x, cache.k[li][:, :, :L], cache.v[li][:, :, :L], cos, sin, None)
-        return self.logits(self.norm(x[0, 1:n + 1]))
+        anchor = torch.as_tensor(anchor, dtype=torch.long, device=dev).reshape(1)
+        ks, vs = [k[:, :, :L] for k in cache.k], [v[:, :, :L] for v in cache.v]
+        return self.draft_blocks(ks, vs, torch.tensor([L], device=dev), anchor, num_slots)[0]
 
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, directory: str | os.PathLike, overwrite: bool = True) -> None:

@@ -213,7 +213,10 @@ class DFlashMethod(MethodDefaults):
         return loss, {k: v.detach().float() for k, v in st.items()}
 
     def summarize(self, stats: dict) -> dict:
-        out = position_means(stats, self.slots, {"loss": "loss_sum", "acc": "acc_sum", "accept": "prefix_sum"})
+        out = position_means(stats, self.slots, {"loss": "loss_sum", "acc": "acc_sum"})
+        blocks = max(float(stats["count_0"]), 1.0)  # blocks with a scored first slot
+        for i in range(self.slots):  # the share of blocks whose slots 1..i+1 are all right: a greedy chain's
+            out[f"accept_{i}"] = float(stats[f"prefix_sum_{i}"]) / blocks  # chance to accept i+1 drafts
         total = sum(self.weights)
         out["loss"] = sum(w * out[f"loss_{i}"] for i, w in enumerate(self.weights)) / total
         return out
