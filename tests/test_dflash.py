@@ -175,6 +175,23 @@ def test_greedy_equals_ar_and_a_fitted_drafter_is_accepted(target):
         assert res.tokens == ar.tokens, k
         assert res.num_drafted <= k * res.num_rounds
     assert res.num_accepted / res.num_rounds > 1.5  # the fitted blocks are accepted: several tokens per round
+    # static shapes: the block over the whole cache (masked), context writes padded to powers of two
+    st = SpecDecoder(runner, DFlashProposer(d, max_len=128, static_shapes=True), 5).generate(prompt, 40)
+    assert st.tokens == ar.tokens and st.num_accepted == res.num_accepted
+
+
+@pytest.mark.slow
+def test_compiled_static_proposer_decodes_as_eager(target):
+    """decode.compile: the static block forward and context write compiled (inductor on CPU) draft as eager."""
+    torch.manual_seed(3)
+    prompt = torch.randint(0, V - 1, (10,)).tolist()
+    d = make_drafter(target, block=6, layers=1)
+    runner = TargetRunner(target, taps=d.config.hf_taps)
+    ar = SpecDecoder(runner, NoDraft(), 0).generate(prompt, 24)
+    d = _trained_copy(target, torch.tensor([prompt + ar.tokens]))
+    eager = SpecDecoder(runner, DFlashProposer(d, max_len=64), 5).generate(prompt, 24)
+    comp = SpecDecoder(runner, DFlashProposer(d, max_len=64, static_shapes=True, compile=True), 5).generate(prompt, 24)
+    assert comp.tokens == ar.tokens and comp.num_accepted == eager.num_accepted
 
 
 def test_batched_decoding_equals_batch_one(target):

@@ -18,17 +18,43 @@ from torch import Tensor
 from .proposers import _draft_token, _grammar_scope
 
 
+@torch.no_grad()
+def _draft_static(drafter, ks, vs, length, anchor):
+    """The block's forward over the whole preallocated cache (slots past ``length`` masked): one shape for
+    every round, what ``compile`` / CUDA graphs run. Logits of every slot ``[1, B-1, V]``."""
+    return drafter.draft_blocks(ks, vs, length, anchor)
+
+
+@torch.no_grad()
+def _context_static(drafter, ks, vs, taps, start):
+    """Context entries of ``taps [1, m, D]`` at positions ``start ..`` written into the caches: ``m`` is a power
+    of two (padded rows land past the committed length, masked until the next write replaces them)."""
+    m = taps.shape[1]
+    pos = start + torch.arange(m, device=taps.device)
+    for li, (k, v) in enumerate(drafter.context_kv(taps, pos[None])):
+        ks[li].index_copy_(2, pos, k.to(ks[li].dtype))
+        vs[li].index_copy_(2, pos, v.to(vs[li].dtype))
+
+
 class DFlashProposer:
     name = "dflash"
     stochastic = True
     grammar_aware = True
+    one_forward_per_round = True  # drafttrain tune: the draft cost is per round, not per draft token
 
-    def __init__(self, drafter, max_len: int = 4096):
+    def __init__(self, drafter, max_len: int = 4096, static_shapes: bool = False, compile: bool = False):
         self.drafter = drafter
         self.max_len = int(max_len)
         p = next(drafter.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.block_size = int(drafter.config.block_size)
+        self.static_shapes = bool(static_shapes)
+        self._draft, self._context = _draft_static, _context_static
+        if compile and self.static_shapes:
+            from .target import compile_static
+
+            self._draft = compile_static(_draft_static, self.device)
+            self._context = compile_static(_context_static, self.device)
         self.cache = None
         self._buffer = None
 
@@ -38,11 +64,15 @@ class DFlashProposer:
     def prefill(self, prompt_ids, target_taps: Tensor | None, first_token: int) -> None:
         if target_taps is None:
             raise ValueError("DFlashProposer needs target taps: build the TargetRunner with taps=")
-        if self._buffer is None or self._buffer.max_len < self.max_len:
-            self._buffer = self.drafter.new_cache(self.max_len, device=self.device, dtype=self.dtype)
+        slack = self.block_size if self.static_shapes else 0  # a padded context write may run past max_len
+        if self._buffer is None or self._buffer.max_len < self.max_len + slack:
+            self._buffer = self.drafter.new_cache(self.max_len + slack, device=self.device, dtype=self.dtype)
+            if self.static_shapes:
+                for t in (*self._buffer.k, *self._buffer.v):  # updated in place inside CUDA graphs
+                    torch._dynamo.mark_static_address(t)
         self.cache = self._buffer
         self.cache.truncate(0)
-        self.drafter.append_context(self.cache, target_taps.to(self.device, self.dtype), start=0)
+        self.drafter.append_context(self.cache, target_taps.to(self.device, self.dtype), start=0)  # eager: any length
 
     @torch.no_grad()
     def propose(self, tokens, k, sampling, grammar=None):
@@ -52,7 +82,13 @@ class DFlashProposer:
         if len(tokens) != self.cache.length + 1:
             raise RuntimeError(f"DFlash drafter out of step: {self.cache.length} context positions, "
                                f"{len(tokens)} committed tokens")
-        logits = self.drafter.draft_block(self.cache, int(tokens[-1]), num_slots=k)  # [k, V]
+        if self.static_shapes:
+            c = self.cache
+            L = torch.tensor([c.length], device=self.device)
+            anchor = torch.tensor([int(tokens[-1])], device=self.device)
+            logits = self._draft(self.drafter, c.k, c.v, L, anchor)[0, :k]
+        else:
+            logits = self.drafter.draft_block(self.cache, int(tokens[-1]), num_slots=k)  # [k, V]
         if sampling.greedy and grammar is None:
             return logits.argmax(-1), None
         drafts, qs = [], []
@@ -69,7 +105,17 @@ class DFlashProposer:
         a = int(num_accepted)
         if target_taps is None or target_taps.shape[0] != a + 1:
             raise ValueError("DFlashProposer.accept needs the target taps at [pending, d_1..d_a]")
-        self.drafter.append_context(self.cache, target_taps.to(self.device, self.dtype), start=self.cache.length)
+        taps = target_taps.to(self.device, self.dtype)
+        if self.static_shapes:  # padded to a power of two: one compiled shape per size
+            n, c = taps.shape[0], self.cache
+            pad = (1 << (n - 1).bit_length()) - n
+            if c.length + n + pad > c.max_len:
+                raise ValueError(f"DFlash cache overflow: {c.length} + {n + pad} > {c.max_len}")
+            t = torch.cat([taps, taps.new_zeros(pad, taps.shape[-1])]) if pad else taps
+            self._context(self.drafter, c.k, c.v, t[None], torch.tensor(c.length, device=self.device))
+            c.length += n
+        else:
+            self.drafter.append_context(self.cache, taps, start=self.cache.length)
         if self.cache.length + 1 != len(tokens):
             raise RuntimeError(f"DFlash drafter out of step: {self.cache.length} context positions, "
                                f"{len(tokens)} committed tokens")

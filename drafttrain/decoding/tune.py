@@ -1,7 +1,7 @@
 """Choosing the draft length / tree size from measured acceptance and measured costs.
 
 Model of one round with K drafts (chain):
-    time(K)   = t_verify(K + 1) + K * t_draft + t_other
+    time(K)   = t_verify(K + 1) + K * t_draft + t_other        (DFlash: t_draft once per round, whatever K)
     tau(K)    = 1 + sum_{k=1..K} prod_{i<=k} acc_i          (acc_i = P(position i accepted | reached))
     speed(K)  = tau(K) / time(K)                             (tokens per second)
 ``t_verify(n)`` is the measured time of one target forward over n new positions, ``t_draft`` the measured
@@ -62,14 +62,16 @@ def measure_verify_cost(runner: TargetRunner, context: Sequence[int], sizes: Seq
 
 
 def choose_chain_length(acceptance_per_position: Sequence[float | None], verify_cost: dict[int, float],
-                        draft_cost_per_token: float, other_cost_per_round: float, max_k: int) -> dict:
-    """Predicted tau / time / speed for K = 0..max_k (K + 1 must be in ``verify_cost``); the best K."""
+                        draft_cost_per_token: float, other_cost_per_round: float, max_k: int,
+                        draft_cost_per_round: float = 0.0) -> dict:
+    """Predicted tau / time / speed for K = 0..max_k (K + 1 must be in ``verify_cost``); the best K.
+    ``draft_cost_per_round``: a drafter whose one forward drafts every K (DFlash) costs that per round with K > 0."""
     rows = []
     for K in range(0, max_k + 1):
         if K + 1 not in verify_cost:
             continue
         tau = expected_tau(acceptance_per_position, K)
-        t = verify_cost[K + 1] + K * draft_cost_per_token + other_cost_per_round
+        t = verify_cost[K + 1] + K * draft_cost_per_token + (draft_cost_per_round if K else 0.0) + other_cost_per_round
         rows.append({"K": K, "tau": tau, "round_time_s": t, "tokens_per_s": tau / t})
     base = next((r["tokens_per_s"] for r in rows if r["K"] == 0), None)
     for r in rows:

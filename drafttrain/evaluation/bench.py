@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts import load_draft_model, load_eagle3
+from ..artifacts import load_draft_model, load_drafter, load_eagle3
 from ..config import DEFAULT_BUCKETS
 from ..io import DraftTrainError, write_json
 
@@ -348,6 +348,7 @@ def _tune_chain(runner, proposer, decode_all, verify: dict, max_draft_tokens: in
     K = max_draft_tokens
     if getattr(proposer, "name", "") == "medusa":
         K = min(K, proposer.heads.num_heads)
+    per_round = bool(getattr(proposer, "one_forward_per_round", False))  # DFlash: one forward drafts the block
     saved = getattr(proposer, "num_tokens", None)
     if saved is not None:
         proposer.num_tokens = K
@@ -356,9 +357,12 @@ def _tune_chain(runner, proposer, decode_all, verify: dict, max_draft_tokens: in
         proposer.num_tokens = saved
     draft_per_token = cal["time_draft"] / max(cal["num_drafted"], 1)
     other = cal["time_other"] / max(cal["num_rounds"], 1)
-    choice = choose_chain_length(cal["acceptance_per_position"], verify, draft_per_token, other, K)
+    draft_per_round = cal["time_draft"] / max(cal["num_rounds"], 1) if per_round else 0.0
+    choice = choose_chain_length(cal["acceptance_per_position"], verify, 0.0 if per_round else draft_per_token,
+                                 other, K, draft_cost_per_round=draft_per_round)
     out = dict(kind="chain", acceptance_per_position=cal["acceptance_per_position"],
-               draft_cost_per_token_s=draft_per_token, other_cost_per_round_s=other, **choice)
+               draft_cost_per_token_s=0.0 if per_round else draft_per_token,
+               draft_cost_per_round_s=draft_per_round, other_cost_per_round_s=other, **choice)
     best = choice["best"]
     out["overrides"] = [f"decode.num_draft_tokens={best['K']}"] if best and best["K"] > 0 else \
         ["decode.method=ar  (no draft length beats plain decoding here)"]
@@ -399,6 +403,8 @@ def tune(model, tokenizer, prompts, proposer, decode, *, taps=None, method: str,
 
     eos = stop_token_ids(model, tokenizer)
     is_tree = bool(getattr(proposer, "tree", False))
+    if getattr(proposer, "one_forward_per_round", False):  # DFlash: every length its block drafts, in one forward
+        max_draft_tokens = int(proposer.block_size) - 1
     biggest = max(max_draft_tokens, max(tree_sizes) if is_tree else 0)
     # the runner the decoder will use (same cache, static shapes and compilation), so costs are the real ones
     runner = TargetRunner(model, taps=taps, max_len=cache_length(prompts, max_new_tokens, biggest),
@@ -446,8 +452,12 @@ def _tune_proposer(job, model, prompts):
         drafter = load_eagle3(job.drafter, model)
         if drafter is None:
             raise DraftTrainError("tune: decode.method=eagle3 needs drafter=<saved drafter directory>")
-    if method not in ("eagle3", "draft_model", "pld"):
-        raise DraftTrainError(f"tune: decode.method={method}: tune eagle3 (chain or tree), draft_model or pld")
+    if method == "dflash":
+        if not job.drafter:
+            raise DraftTrainError("tune: decode.method=dflash needs drafter=<saved DFlash drafter directory>")
+        drafter = load_drafter(job.drafter, dev, target_model=model).eval()
+    if method not in ("eagle3", "draft_model", "pld", "dflash"):
+        raise DraftTrainError(f"tune: decode.method={method}: tune eagle3 (chain or tree), dflash, draft_model or pld")
     max_len = cache_length(prompts, job.max_new_tokens, max(job.max_draft_tokens, *job.tree_sizes))
     if method == "draft_model" and job.decode.draft_model:
         dm, _, _ = load_draft_model(job.decode.draft_model, job.target, dev)
