@@ -9,13 +9,17 @@ Commands:
   capture       store the target's hidden states for offline training (``capture.path=DIR``; resumable,
                 multi-process under ``accelerate launch -m drafttrain.cli capture``)
   export        write a drafter for vLLM / SGLang / TensorRT-LLM / HF (``drafter=… format=vllm|sglang|trtllm|hf out=…``)
-  bench         our decoder vs HF generate() / assisted / prompt lookup, and EAGLE-3 chain + tree (a table)
+  bench         our decoder vs HF generate() / assisted / prompt lookup, and EAGLE-3 chain + tree (a table; rows
+                ``methods=[…]``, decode settings ``decode.*``: ``decode.max_new_tokens=64 decode.repeats=5 …``)
   tune          pick decode.num_draft_tokens or decode.tree.total_tokens from measured acceptance and costs
+                (``decode.num_prompts``, ``decode.max_new_tokens``: the calibration prompts)
 
 Shorthands: ``target=<dir or hub name>`` (not a drafttrain/conf/target option) means ``target=hf
 target.name_or_path=<it>``; ``data=<file>.jsonl`` means ``data=jsonl data.path=<file>``; ``data=<file>.parquet``,
 ``.arrow`` or ``data=<directory>`` means ``data=file data.path=<it>``; ``data=<org>/<name>`` means ``data=hub``.
-Errors caused by input or state print one line (``error: ...``) and exit with status 2.
+Errors caused by input or state print one line (``error: ...``) and exit with status 2; a key an older release
+had elsewhere (``eagle3.<lever>``, now ``eagle3.experimental.<lever>``; bench's and tune's ``max_new_tokens`` …,
+now ``decode.*``) is refused naming its new key.
 """
 from __future__ import annotations
 
