@@ -222,6 +222,9 @@ BENCH_DECODE_FIELDS = ("num_prompts", "max_new_tokens", "warmup", "repeats", "nu
 
 def _check_bench_decode(d: DictConfig) -> None:
     """``drafttrain bench`` refuses a decode setting it would ignore (one line naming it)."""
+    if d.num_draft_tokens < 1:
+        raise DraftTrainError(f"decode.num_draft_tokens={d.num_draft_tokens}: must be >= 1 (K of bench's draft_model "
+                              "and eagle3 rows; plain decoding is its ar row)")
     default = OmegaConf.structured(C.DecodeConfig)
     for f in dataclasses.fields(C.DecodeConfig):
         if f.name in BENCH_DECODE_FIELDS or d[f.name] == default[f.name]:

@@ -157,6 +157,7 @@ def _job(name, **updates):
     ("bench", {"decode.temperature": 0.7}, "decode.temperature=0.7: drafttrain bench does not read it (its rows are "
      "greedy, batch 1; it reads decode.num_prompts, decode.max_new_tokens"),
     ("bench", {"decode.batch_size": 4}, "decode.batch_size=4: drafttrain bench does not read it"),
+    ("bench", {"decode.num_draft_tokens": 0}, "decode.num_draft_tokens=0: must be >= 1 (K of bench's draft_model"),
     ("bench", {"decode.method": "pld"}, "decode.method=pld: drafttrain bench does not read it (choose its rows with "
      "methods=[…]"),
     ("eval", {"data.num_eval": 0}, "data.num_eval=0 (every row of a prompt file) needs a file"),
@@ -271,7 +272,6 @@ def _digest(path: Path) -> str:
     # keys an older release had elsewhere (config.MOVED_KEYS): the new key named
     (["train", "eagle3.topk_distill=3"], ["eagle3.topk_distill=3", "write eagle3.experimental.topk_distill=3"]),
     (["bench", "max_new_tokens=64"], ["max_new_tokens=64", "write decode.max_new_tokens=64"]),
-    (["bench", "decode.temperature=0.7"], ["decode.temperature=0.7", "drafttrain bench does not read it"]),
 ])
 def test_cli_bad_setting_is_one_line_before_anything_runs(args, needles, tmp_path):
     data = tmp_path / "keep.jsonl"
