@@ -9,13 +9,17 @@ Commands:
   capture       store the target's hidden states for offline training (``capture.path=DIR``; resumable,
                 multi-process under ``accelerate launch -m drafttrain.cli capture``)
   export        write a drafter for vLLM / SGLang / TensorRT-LLM / HF (``drafter=… format=vllm|sglang|trtllm|hf out=…``)
-  bench         our decoder vs HF generate() / assisted / prompt lookup, and EAGLE-3 chain + tree (a table)
+  bench         our decoder vs HF generate() / assisted / prompt lookup, and EAGLE-3 chain + tree (a table; rows
+                ``methods=[…]``, decode settings ``decode.*``: ``decode.max_new_tokens=64 decode.repeats=5 …``)
   tune          pick decode.num_draft_tokens or decode.tree.total_tokens from measured acceptance and costs
+                (``decode.num_prompts``, ``decode.max_new_tokens``: the calibration prompts)
 
 Shorthands: ``target=<dir or hub name>`` (not a drafttrain/conf/target option) means ``target=hf
 target.name_or_path=<it>``; ``data=<file>.jsonl`` means ``data=jsonl data.path=<file>``; ``data=<file>.parquet``,
 ``.arrow`` or ``data=<directory>`` means ``data=file data.path=<it>``; ``data=<org>/<name>`` means ``data=hub``.
-Errors caused by input or state print one line (``error: ...``) and exit with status 2.
+Errors caused by input or state print one line (``error: ...``) and exit with status 2; a key an older release
+had elsewhere (``eagle3.<lever>``, now ``eagle3.experimental.<lever>``; bench's and tune's ``max_new_tokens`` …,
+now ``decode.*``) is refused naming its new key.
 """
 from __future__ import annotations
 
@@ -99,12 +103,14 @@ def _report_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-def _describe_config_error(exc: BaseException) -> str:
-    """One line for a composition error: which key, what is wrong, and a suggestion for a misspelled key."""
+def _describe_config_error(exc: BaseException, config_name: str = "") -> str:
+    """One line for a composition error: which key, what is wrong, and a suggestion for a misspelled or moved key."""
     import difflib
 
     from hydra.errors import OverrideParseException
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    from .config import moved_key
 
     if isinstance(exc, OverrideParseException):
         lines = [ln for ln in str(exc).splitlines() if ln and not ln.startswith(("Error parsing", "See https"))]
@@ -115,6 +121,8 @@ def _describe_config_error(exc: BaseException) -> str:
     while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
         cause = cause.__cause__
     full_key = getattr(cause, "full_key", None)
+    if isinstance(cause, ConfigKeyError) and full_key and moved_key(config_name, str(full_key)):
+        return _moved_message(str(full_key), moved_key(config_name, str(full_key)))
     if isinstance(cause, ConfigKeyError) and full_key:
         parent, _, leaf = str(full_key).rpartition(".")
         known = []
@@ -163,13 +171,13 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
     from .io import DraftTrainError
     from .validate import check_job
 
-    _refuse_renamed(overrides)
+    _refuse_renamed(config_name, overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name=config_name, overrides=overrides)
     except Exception as e:  # hydra wraps every composition problem; report it as one line
-        _fail(_describe_config_error(e))
+        _fail(_describe_config_error(e, config_name))
     finally:
         GlobalHydra.instance().clear()
     try:
@@ -178,15 +186,24 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
         _fail(str(e))
 
 
-def _refuse_renamed(overrides: list[str]) -> None:
-    """A recipe or method under the name an older release gave it: say the new name (config.RENAMED_METHODS)."""
-    from .config import RENAMED_METHODS
+def _refuse_renamed(config_name: str, overrides: list[str]) -> None:
+    """A recipe or method under the name an older release gave it (config.RENAMED_METHODS), or a key an older
+    release had at another place (config.MOVED_KEYS): say the new name."""
+    from .config import RENAMED_METHODS, moved_key
 
     for o in overrides:
         key, _, value = o.lstrip("+~").partition("=")
         if key in ("recipe", "method") and value in RENAMED_METHODS:
             _fail(f"{key}={value}: renamed {key}={RENAMED_METHODS[value]} (one name per drafter family: recipe, "
                   "method, drafter_type and decode.method)")
+        new = moved_key(config_name, key)
+        if new:
+            _fail(_moved_message(key, new, value))
+
+
+def _moved_message(key: str, new: str, value: str | None = None) -> str:
+    shown = f"{key}={value}" if value else key
+    return f"{shown}: this key is now {new} (write {new}={value or '…'})"
 
 
 def _fail(message: str) -> None:

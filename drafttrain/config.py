@@ -179,18 +179,14 @@ class DataConfig:
 
 
 @dataclass
-class Eagle3Config:
-    num_layers: int = num(1, ge=1)
-    tap_layers: Optional[List[int]] = num(None, ge=0)  # HF hidden_states indices; default (2, L//2, L-3)
-    draft_vocab_size: Optional[int] = num(None, ge=1)  # default min(32000, V//2)
-    ttt_steps: int = num(7, ge=1)
+class Eagle3Experimental:
+    """eagle3.experimental.*: research levers that did not earn a place in the recipe. Each was measured on the
+    built-in targets (bench/notebook/training_quality.md, section 2) and gave nothing beyond the seeds' spread, or
+    less; they stay for reproducing those rows and for trying them on other targets. All off by default."""
+
     # TTT curriculum: over the first N optimizer steps the unrolled depth grows from 1 to ttt_steps (0: the
     # full depth from the first step)
     ttt_curriculum: int = num(0, ge=0)
-    step_decay: float = num(0.8, gt=0, le=1)
-    # the soft cross-entropy's teacher is softmax(target logits / teacher_temperature): < 1 sharpens it towards
-    # the argmax that greedy decoding accepts (1: the target's own distribution)
-    teacher_temperature: float = num(1.0, gt=0, le=10)
     # HASS's harmonized objective distillation: topk_distill_weight x the soft CE's terms of the teacher's
     # topk_distill most likely tokens, added to the loss (0: off)
     topk_distill: int = num(0, ge=0)
@@ -202,27 +198,6 @@ class Eagle3Config:
     # step i's output hidden state at t (what step i+1 reads) and the fused target features fc(taps) at t+1+i,
     # the ones it stands in for (0: off)
     feature_loss_weight: float = num(0.0, ge=0)
-    # ce (soft cross-entropy, EAGLE-3's) | tv (total variation = 1 - acceptance) | lk_hybrid
-    loss: str = one_of("ce", *EAGLE3_LOSSES)
-    # teacher over the draft vocabulary only (lm_head rows by d2t) + the full log-normaliser and argmax in
-    # vocabulary chunks: the [B, T, V] float32 target logits are never built (same loss; less memory)
-    compact_teacher: bool = True
-    # recompute each TTT step's norm + lm_head + loss in the backward (activation checkpointing): the draft
-    # side keeps [B, T, H] per step instead of [B, T, draft vocab] logits and softmaxes; for large
-    # vocabularies (a little more compute)
-    checkpoint_head: bool = False
-    # with compact_teacher: keep the target's last hidden state [B, T, H] and compute each TTT step's teacher
-    # logits for the rows it scores only, instead of storing [B, T, draft vocab] float32 logits (same loss; one
-    # more [N, H] x [H, draft vocab] matmul per step; for large draft vocabularies and long rows)
-    recompute_teacher: bool = False
-    # EAGLE-3.1 (on by default: +21% τ at 100 steps on the built-in target, bench/training_quality.md)
-    fc_norm: bool = True  # RMSNorm on each tap before fc
-    norm_output: bool = True  # the next step reads the post-norm hidden state
-    qk_norm: bool = False  # Qwen3-style draft layer (q/k RMSNorm per head)
-    # speculators' conventions (its trainer's defaults: both true, with norm_output): layer 0's residual is
-    # the hidden_norm-ed hidden stream; one RMSNorm over the concatenated taps before fc (input_norm)
-    norm_before_residual: bool = False
-    norm_before_fc: bool = False
     # initialise the draft layer(s) from this target decoder layer (-1: the last)
     init_layer: Optional[int] = num(None, ge=-1)
     # keep the draft lm_head (initialised from the target's rows of the draft vocabulary) frozen, as
@@ -244,6 +219,42 @@ class Eagle3Config:
     # decoder drafts (it starts one only after the target has produced a token of the answer); false: also the
     # chains that start inside the prompt and must guess the answer's first tokens
     answer_chains: bool = False
+
+
+@dataclass
+class Eagle3Config:
+    num_layers: int = num(1, ge=1)
+    tap_layers: Optional[List[int]] = num(None, ge=0)  # HF hidden_states indices; default (2, L//2, L-3)
+    draft_vocab_size: Optional[int] = num(None, ge=1)  # default min(32000, V//2)
+    ttt_steps: int = num(7, ge=1)
+    step_decay: float = num(0.8, gt=0, le=1)
+    # the soft cross-entropy's teacher is softmax(target logits / teacher_temperature): < 1 sharpens it towards
+    # the argmax that greedy decoding accepts (1: the target's own distribution); for drafters served greedily
+    # only (0.3: greedy tau +5-6% on the built-in targets, sampled acceptance less than half)
+    teacher_temperature: float = num(1.0, gt=0, le=10)
+    # ce (soft cross-entropy, EAGLE-3's) | tv (total variation = 1 - acceptance) | lk_hybrid
+    loss: str = one_of("ce", *EAGLE3_LOSSES)
+    # teacher over the draft vocabulary only (lm_head rows by d2t) + the full log-normaliser and argmax in
+    # vocabulary chunks: the [B, T, V] float32 target logits are never built (same loss; less memory)
+    compact_teacher: bool = True
+    # recompute each TTT step's norm + lm_head + loss in the backward (activation checkpointing): the draft
+    # side keeps [B, T, H] per step instead of [B, T, draft vocab] logits and softmaxes; for large
+    # vocabularies (a little more compute)
+    checkpoint_head: bool = False
+    # with compact_teacher: keep the target's last hidden state [B, T, H] and compute each TTT step's teacher
+    # logits for the rows it scores only, instead of storing [B, T, draft vocab] float32 logits (same loss; one
+    # more [N, H] x [H, draft vocab] matmul per step; for large draft vocabularies and long rows)
+    recompute_teacher: bool = False
+    # EAGLE-3.1 (on by default: +21% τ at 100 steps on the built-in target, bench/notebook/training_quality.md)
+    fc_norm: bool = True  # RMSNorm on each tap before fc
+    norm_output: bool = True  # the next step reads the post-norm hidden state
+    qk_norm: bool = False  # Qwen3-style draft layer (q/k RMSNorm per head)
+    # speculators' conventions (its trainer's defaults: both true, with norm_output): layer 0's residual is
+    # the hidden_norm-ed hidden stream; one RMSNorm over the concatenated taps before fc (input_norm)
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    # research levers that did not earn a place in the recipe (Eagle3Experimental)
+    experimental: Eagle3Experimental = field(default_factory=Eagle3Experimental)
 
 
 @dataclass
@@ -538,39 +549,37 @@ class EvalJob:
 @dataclass
 class BenchJob:
     """`drafttrain bench`: our decoder vs Hugging Face generate() on the same target, drafters and prompts
-    (greedy, batch 1, warm-up, `runs` timed passes, medians)."""
+    (greedy, batch 1, `decode.warmup` untimed passes, `decode.repeats` timed passes, medians).
+
+    The decode settings are `decode.*` (DecodeConfig; conf/bench.yaml sets bench's defaults): num_prompts,
+    max_new_tokens, warmup (untimed passes over every prompt, per method), repeats (timed passes),
+    num_draft_tokens (K of draft_model, and of the eagle3 chain unless eagle3_num_draft_tokens is set),
+    pld_max_ngram, tree (the eagle3_tree row: depth, top_k, total_tokens), cache, static_shapes, buckets, compile,
+    and draft_model (the draft_model rows: "builtin-small", a 2-layer sibling of the built-in target built and
+    cached on first use, a causal-LM directory sharing the tokenizer, or None = skip). Rows are greedy at batch
+    1: decode.temperature and decode.batch_size keep their defaults; the rows come from `methods`, not
+    decode.method."""
 
     drafter: Optional[str] = None  # a saved EAGLE-3 drafter directory (eagle3 rows); None = skip those rows
-    # draft model for the draft_model rows: "builtin-small" (a 2-layer sibling of the built-in target, same
-    # tokenizer, built and cached on first use), a causal-LM directory sharing the tokenizer, or None = skip
-    draft_model: Optional[str] = "builtin-small"
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
     # rows: ar | draft_model | pld | pld_tree | eagle3 (chain) | eagle3_tree
     methods: List[str] = one_of(lambda: list(BENCH_METHODS), *BENCH_METHODS)
-    num_prompts: int = num(8, ge=1)  # held-out prompts from `data`
-    max_new_tokens: int = num(128, ge=1)
-    warmup: int = num(1, ge=0)  # untimed passes over all prompts, per method (compilation happens there)
-    runs: int = num(3, ge=1)  # timed passes over all prompts; the table reports medians
-    num_draft_tokens: int = num(4, ge=1)  # ours: K of draft_model (and of the eagle3 chain unless set below)
-    eagle3_num_draft_tokens: Optional[int] = num(None, ge=1)  # ours: K of the eagle3 chain (None: num_draft_tokens)
+    # ours: K of the eagle3 chain (None: decode.num_draft_tokens)
+    eagle3_num_draft_tokens: Optional[int] = num(None, ge=1)
     pld_num_tokens: int = num(10, ge=1)  # prompt lookup: drafts per round, ours and HF (prompt_lookup_num_tokens)
-    pld_max_ngram: int = num(3, ge=1)  # prompt lookup: longest n-gram matched, ours and HF (max_matching_ngram_size)
     pld_tree_branches: int = num(4, ge=1)  # pld_tree: continuations of up to this many matches, merged into one tree
     pld_tree_nodes: int = num(32, ge=1)  # pld_tree: the most draft nodes per round
     hf_num_assistant_tokens: Optional[int] = num(None, ge=1)  # HF assisted generation: None = HF's default schedule
-    tree: TreeConfig = field(default_factory=TreeConfig)  # eagle3_tree: depth, top_k, total_tokens
-    cache: str = one_of("auto", *CACHE_KINDS)  # our target KV cache
-    static_shapes: bool = False  # our CUDA-graph path (padded verify, static draft steps)
-    buckets: List[int] = nums(lambda: list(DEFAULT_BUCKETS), ge=1)  # static_shapes: padded sizes
-    compile: bool = False  # with static_shapes: torch.compile (CUDA graphs on CUDA, inductor on CPU)
     threads: int = num(0, ge=0)  # torch.set_num_threads for the run (0: leave as is)
 
 
 @dataclass
 class TuneJob:
     """`drafttrain tune`: pick the draft length (chains) or tree size (trees) from measured acceptance and
-    measured target / draft costs (drafttrain.decoding.tune)."""
+    measured target / draft costs (drafttrain.decoding.tune). The decode settings are `decode.*` (conf/tune.yaml:
+    decode.num_prompts=4 calibration prompts, decode.max_new_tokens=64)."""
 
     drafter: Optional[str] = None  # a saved EAGLE-3 drafter directory (decode.method=eagle3)
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -578,8 +587,6 @@ class TuneJob:
     decode: DecodeConfig = field(default_factory=DecodeConfig)  # method, tree.enabled, draft_model, cache ...
     max_draft_tokens: int = num(8, ge=1)  # chains: K candidates 0..max_draft_tokens (calibrated at the largest)
     tree_sizes: List[int] = nums(lambda: [8, 16, 32, 48, 64], ge=1)  # trees: total_tokens candidates
-    num_prompts: int = num(4, ge=1)  # calibration prompts from `data`
-    max_new_tokens: int = num(64, ge=1)
     repeats: int = num(5, ge=1)  # timed repetitions of each target forward size (median)
     threads: int = num(0, ge=0)  # torch.set_num_threads for the run (0: leave as is)
 
@@ -613,3 +620,41 @@ class RegenerateJob:
     # end each conversation before its first turn that stopped at max_new_tokens without an end token (a row whose
     # first answer did is written as "dropped": kept out of training, still resumable); false: keep and count them
     drop_truncated: bool = False
+
+
+# ------------------------------------------------------------------------------------------ moved keys
+# Keys an older release had at another place. The command line refuses them in one line naming the new key
+# (drafttrain.cli), and a checkpoint's recorded job config is read with them moved (upgrade_recorded_config).
+EAGLE3_EXPERIMENTAL = tuple(f.name for f in dataclasses.fields(Eagle3Experimental))
+_EAGLE3_MOVED = {f"eagle3.{n}": f"eagle3.experimental.{n}" for n in EAGLE3_EXPERIMENTAL}
+MOVED_KEYS = {
+    "train": _EAGLE3_MOVED,
+    "capture": _EAGLE3_MOVED,
+    "bench": {**{k: f"decode.{k}" for k in ("num_prompts", "max_new_tokens", "warmup", "num_draft_tokens",
+                                             "pld_max_ngram", "tree", "cache", "static_shapes", "buckets",
+                                             "compile", "draft_model")},
+              "runs": "decode.repeats"},
+    "tune": {"num_prompts": "decode.num_prompts", "max_new_tokens": "decode.max_new_tokens"},
+}
+
+
+def moved_key(job: str, key: str) -> Optional[str]:
+    """The new name of ``key`` (a dotted key of job ``job``'s config) when it, or a key above it, moved; else None."""
+    for old, new in MOVED_KEYS.get(job, {}).items():
+        if key == old or key.startswith(old + "."):
+            return new + key[len(old):]
+    return None
+
+
+def upgrade_recorded_config(cfg: dict) -> dict:
+    """A training job's recorded config (a checkpoint's) with the keys an older release kept elsewhere moved to
+    today's place: ``eagle3.<lever>`` -> ``eagle3.experimental.<lever>``."""
+    eagle3 = cfg.get("eagle3")
+    if not isinstance(eagle3, dict) or not any(n in eagle3 for n in EAGLE3_EXPERIMENTAL):
+        return cfg
+    eagle3 = dict(eagle3)
+    experimental = dict(eagle3.get("experimental") or {})
+    for n in EAGLE3_EXPERIMENTAL:
+        if n in eagle3:
+            experimental[n] = eagle3.pop(n)
+    return {**cfg, "eagle3": {**eagle3, "experimental": experimental}}

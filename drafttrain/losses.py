@@ -365,7 +365,7 @@ def _eagle3_loss_sum(loss: str, q_logits: torch.Tensor, p_soft: torch.Tensor, p_
 
 def feature_regression_sum(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Sum over rows of the mean squared difference ``[N, H]`` -> scalar (``target`` a constant): EAGLE-1's
-    feature regression as an EAGLE-3 auxiliary (``eagle3.feature_loss_weight``): drafting step i's output hidden
+    feature regression as an EAGLE-3 auxiliary (``eagle3.experimental.feature_loss_weight``): drafting step i's output hidden
     state at t, the one step i+1 reads, against the fused target features at t+1+i that it stands in for."""
     if pred.shape != target.shape:
         raise ValueError(f"feature regression: prediction {tuple(pred.shape)} vs target {tuple(target.shape)}")

@@ -121,10 +121,10 @@ def _check_rules(job: str, cfg: DictConfig) -> None:
                               f"data={cfg.data.source} set needs a count >= 1")
     if "data" in cfg and _get(cfg, "data.regen_answers") not in (None, 1):
         _check_answers(cfg.data)
+    if job == "bench":
+        _check_bench_decode(cfg.decode)
     if "decode" in cfg:
         _check_decode(cfg.decode, job)
-    if job == "bench":
-        _ascending(cfg.buckets, "buckets")
     if job == "eval" and cfg.eval.set:
         _check_eval_set(cfg)
     if job == "tune":
@@ -215,6 +215,25 @@ def _check_decode(d: DictConfig, job: str) -> None:
     _check_batch(d)
 
 
+# the decode settings `drafttrain bench` reads (drafttrain/evaluation/bench.py); its rows are `methods`, greedy, batch 1
+BENCH_DECODE_FIELDS = ("num_prompts", "max_new_tokens", "warmup", "repeats", "num_draft_tokens", "pld_max_ngram",
+                       "tree", "cache", "static_shapes", "buckets", "compile", "draft_model")
+
+
+def _check_bench_decode(d: DictConfig) -> None:
+    """``drafttrain bench`` refuses a decode setting it would ignore (one line naming it)."""
+    if d.num_draft_tokens < 1:
+        raise DraftTrainError(f"decode.num_draft_tokens={d.num_draft_tokens}: must be >= 1 (K of bench's draft_model "
+                              "and eagle3 rows; plain decoding is its ar row)")
+    default = OmegaConf.structured(C.DecodeConfig)
+    for f in dataclasses.fields(C.DecodeConfig):
+        if f.name in BENCH_DECODE_FIELDS or d[f.name] == default[f.name]:
+            continue
+        hint = "choose its rows with methods=[…]" if f.name == "method" else "its rows are greedy, batch 1"
+        raise DraftTrainError(f"decode.{f.name}={_fmt(d[f.name])}: drafttrain bench does not read it ({hint}; it "
+                              f"reads decode.{', decode.'.join(BENCH_DECODE_FIELDS)})")
+
+
 def _check_batch(d: DictConfig) -> None:
     """``decode.batch_size > 1`` (drafttrain/decoding/batched.py): chain methods only, eager, unconstrained."""
     if d.batch_size <= 1:
@@ -280,8 +299,8 @@ def _path_settings(job: str, cfg: DictConfig) -> list[tuple[str, str]]:
         out += [("data.path", kind), ("data.eval_path", kind)]
     if "decode" in cfg and cfg.decode.method == "draft_model":
         out.append(("decode.draft_model", "model"))
-    if job == "bench" and cfg.draft_model != "builtin-small" and "draft_model" in cfg.methods:
-        out.append(("draft_model", "model"))
+    if job == "bench" and cfg.decode.draft_model not in (None, "builtin-small") and "draft_model" in cfg.methods:
+        out.append(("decode.draft_model", "model"))
     if job == "train":
         if cfg.method == "draft_model" and cfg.distill.init == "from_pretrained":
             out.append(("distill.pretrained", "model"))

@@ -110,7 +110,8 @@ def test_bench_cli_writes_table(tiny_builtin_target, tmp_path):
     env = dict(os.environ, DRAFTTRAIN_CACHE=str(tiny_builtin_target.parent), OMP_NUM_THREADS="1")
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "drafttrain.cli", "bench", *TINY_BUILTIN_OVERRIDES, "methods=[ar,pld]",
-           "draft_model=null", "num_prompts=2", "max_new_tokens=8", "runs=1", "warmup=0", "data.num_eval=2",
+           "decode.draft_model=null", "decode.num_prompts=2", "decode.max_new_tokens=8", "decode.repeats=1",
+           "decode.warmup=0", "data.num_eval=2",
            "threads=1", f"hydra.run.dir={out}"]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]

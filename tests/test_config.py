@@ -194,3 +194,16 @@ def test_every_train_default_is_some_recipes():
                for r in _options("recipe")]
     dead = [k for k in train_keys if all(k in r for r in recipes)]
     assert not dead, f"every recipe overrides {dead}: the schema default is used by none"
+
+
+def test_the_lab_comparisons_overrides_compose():
+    """scripts/compare.py's rows (the notebook's ablations) are override lists: each must still compose and pass
+    the checks, or a renamed key would fail only when an experiment is rerun."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare", REPO / "scripts" / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    for name, (recipe, extra, _) in compare.METHODS.items():
+        job, base = ("eval", []) if recipe is None else ("train", [f"recipe={recipe}"])
+        check_values(job, _compose(job, [*base, *extra]))

@@ -705,7 +705,7 @@ def test_bucket_default_and_cache_length():
     from drafttrain.decoding.target import DEFAULT_BUCKETS
 
     assert config.DEFAULT_BUCKETS == DEFAULT_BUCKETS
-    assert config.DecodeConfig().buckets == config.BenchJob().buckets == list(DEFAULT_BUCKETS)
+    assert config.DecodeConfig().buckets == config.BenchJob().decode.buckets == list(DEFAULT_BUCKETS)
     assert static_options(SimpleNamespace(static_shapes=True, buckets=[]), buckets=True)["buckets"] == DEFAULT_BUCKETS
     prompts = [[1] * 5, [2] * 9]
     assert cache_length(prompts, 20, 4) == 9 + 20 + 4 + 8 and cache_length([], 20, slack=1) == 21

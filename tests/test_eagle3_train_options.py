@@ -1,15 +1,16 @@
 """EAGLE-3 training options that change only the training signal.
 
-- ``eagle3.feature_noise`` (EAGLE-1's feature augmentation): uniform noise, bounded by the scale times each
-  tap's RMS at each position, off at 0, applied in training only.
+- ``eagle3.experimental.feature_noise`` (EAGLE-1's feature augmentation): uniform noise, bounded by the scale
+  times each tap's RMS at each position, off at 0, applied in training only.
 - ``eagle3.teacher_temperature``: the soft CE's teacher is ``softmax(logits / t)`` (by hand in
   tests/test_losses.py); here: the method passes it through.
-- ``eagle3.freeze_lm_head``: the draft lm_head stays the target's rows (no gradient, not optimised).
-- ``eagle3.score_oov``: positions whose target argmax is outside the draft vocabulary are scored too.
-- ``eagle3.topk_distill``: HASS's top-k term reaches the loss (by hand in tests/test_losses.py).
-- ``eagle3.score_prompt``: every real position is scored, not only the answers'.
-- ``eagle3.answer_chains``: only the chains that start from an answer token are scored.
-- ``eagle3.feature_loss_weight``: each step's output hidden state against the fused features it stands in for.
+- ``eagle3.experimental.freeze_lm_head``: the draft lm_head stays the target's rows (no gradient, not optimised).
+- ``eagle3.experimental.score_oov``: positions whose target argmax is outside the draft vocabulary are scored too.
+- ``eagle3.experimental.topk_distill``: HASS's top-k term reaches the loss (by hand in tests/test_losses.py).
+- ``eagle3.experimental.score_prompt``: every real position is scored, not only the answers'.
+- ``eagle3.experimental.answer_chains``: only the chains that start from an answer token are scored.
+- ``eagle3.experimental.feature_loss_weight``: each step's output hidden state against the fused features it
+  stands in for.
 
 A drafter trained with all of them still decodes exactly (greedy == AR)."""
 from __future__ import annotations
@@ -51,10 +52,11 @@ def test_noise_is_bounded_by_each_taps_rms_and_off_at_zero():
 
 def _method(noise, teacher_temperature=1.0, freeze_lm_head=False, score_oov=False, topk_distill=0,
             score_prompt=False, feature_loss_weight=0.0, answer_chains=False):
-    return Eagle3Method(_cfg("Eagle3Config", ttt_steps=3, draft_vocab_size=30, feature_noise=noise,
-                             teacher_temperature=teacher_temperature, freeze_lm_head=freeze_lm_head,
-                             score_oov=score_oov, topk_distill=topk_distill, score_prompt=score_prompt,
-                             feature_loss_weight=feature_loss_weight, answer_chains=answer_chains),
+    experimental = dict(feature_noise=noise, freeze_lm_head=freeze_lm_head, score_oov=score_oov,
+                        topk_distill=topk_distill, score_prompt=score_prompt,
+                        feature_loss_weight=feature_loss_weight, answer_chains=answer_chains)
+    return Eagle3Method(_cfg("Eagle3Config", ttt_steps=3, draft_vocab_size=30,
+                             teacher_temperature=teacher_temperature, experimental=experimental),
                         _Tok(), _target())
 
 

@@ -1,4 +1,4 @@
-"""``eagle3.align_top_k``: GRIFFIN's token-alignable training (arXiv 2502.11018).
+"""``eagle3.experimental.align_top_k``: GRIFFIN's token-alignable training (arXiv 2502.11018).
 
 From TTT step 1 on, a position is scored only if at every earlier step that scored it the target's argmax was
 among the draft's top-k; each step's sum still divides by all of its valid positions. Checked against a
@@ -38,7 +38,7 @@ def test_aligned_is_the_teachers_argmax_among_the_drafts_top_k():
 
 
 def _method(k, checkpoint_head=False):
-    return Eagle3Method(_cfg("Eagle3Config", ttt_steps=4, draft_vocab_size=30, align_top_k=k,
+    return Eagle3Method(_cfg("Eagle3Config", ttt_steps=4, draft_vocab_size=30, experimental=dict(align_top_k=k),
                              checkpoint_head=checkpoint_head), _Tok(), _target())
 
 

@@ -216,10 +216,19 @@ def _batch(seed=0, B=2, T=12):
 
 
 def _cfg(section, **over):
+    """``section``'s dataclass with ``over`` set; a name it does not have is an error (no silent attribute), and a
+    dict sets the fields of a sub-config (``experimental=dict(align_top_k=1)``)."""
+    import dataclasses
+
     import drafttrain.config as C
 
     cfg = getattr(C, section)()
+    names = {f.name for f in dataclasses.fields(cfg)}
     for k, v in over.items():
+        if k not in names:
+            raise AttributeError(f"{section} has no field {k!r}")
+        if isinstance(v, dict) and dataclasses.is_dataclass(getattr(cfg, k)):
+            v = dataclasses.replace(getattr(cfg, k), **v)
         setattr(cfg, k, v)
     return cfg
 

@@ -1,5 +1,5 @@
-"""EAGLE-3's TTT curriculum (``eagle3.ttt_curriculum``): the unrolled depth grows from 1 to ``ttt_steps``, the
-loss at depth d is the full loss's first d terms, and at full depth it is the loss without a curriculum."""
+"""EAGLE-3's TTT curriculum (``eagle3.experimental.ttt_curriculum``): the unrolled depth grows from 1 to
+``ttt_steps``, the loss at depth d is the full loss's first d terms, and at full depth it is the loss without a curriculum."""
 from __future__ import annotations
 
 import pytest
@@ -32,7 +32,8 @@ def test_curriculum_loss_is_the_first_terms_of_the_full_loss():
     t = _target()
     b = collate(_examples(4, seed=3), 0)
     full = Eagle3Method(_cfg("Eagle3Config", ttt_steps=4, draft_vocab_size=30), _Tok(), t)
-    cur = Eagle3Method(_cfg("Eagle3Config", ttt_steps=4, draft_vocab_size=30, ttt_curriculum=8), _Tok(), t)
+    cur = Eagle3Method(_cfg("Eagle3Config", ttt_steps=4, draft_vocab_size=30, experimental=dict(ttt_curriculum=8)),
+                       _Tok(), t)
     torch.manual_seed(0)
     d = full.build_drafter(t, _examples(4, seed=3), "tiny")
     cur.d2t = full.d2t  # the same draft vocabulary for the teacher (build_drafter records it)

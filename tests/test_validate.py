@@ -28,7 +28,7 @@ FREE_STRINGS = {
     "DataConfig.eval_path", "MedusaConfig.init_heads", "LoraConfig.target_modules", "DistillConfig.pretrained",
     "DistillConfig.loss", "TrainConfig.resume", "DecodeConfig.draft_model", "DecodeConfig.grammar",
     "LoggerConfig.project", "LoggerConfig.run_name", "CaptureConfig.path", "ExportJob.drafter", "ExportJob.out",
-    "ExportJob.verifier", "EvalJob.drafter", "BenchJob.drafter", "BenchJob.draft_model", "TuneJob.drafter",
+    "ExportJob.verifier", "EvalJob.drafter", "BenchJob.drafter", "TuneJob.drafter",
     "RegenerateJob.input", "RegenerateJob.output", "RegenerateJob.model",
     "DataConfig.split", "DataConfig.subset", "DataConfig.eval_split", "EvalSetConfig.set", "EvalSetConfig.categories",
 }
@@ -153,6 +153,13 @@ def _job(name, **updates):
     ("eval", {"decode.grammar": "regex:a{2,1}"}, "decode.grammar (regex:a{2,1}): not a valid grammar"),
     ("eval", {"decode.grammar": '{"type": "object", "properties": 3}'}, "decode.grammar"),
     ("tune", {"tree_sizes": [8, 8]}, "tree_sizes=[8,8]: must be strictly increasing"),
+    ("bench", {"decode.buckets": [1, 4, 2]}, "decode.buckets=[1,4,2]: must be strictly increasing"),
+    ("bench", {"decode.temperature": 0.7}, "decode.temperature=0.7: drafttrain bench does not read it (its rows are "
+     "greedy, batch 1; it reads decode.num_prompts, decode.max_new_tokens"),
+    ("bench", {"decode.batch_size": 4}, "decode.batch_size=4: drafttrain bench does not read it"),
+    ("bench", {"decode.num_draft_tokens": 0}, "decode.num_draft_tokens=0: must be >= 1 (K of bench's draft_model"),
+    ("bench", {"decode.method": "pld"}, "decode.method=pld: drafttrain bench does not read it (choose its rows with "
+     "methods=[…]"),
     ("eval", {"data.num_eval": 0}, "data.num_eval=0 (every row of a prompt file) needs a file"),
     ("train", {"data.regen_answers": 2, "data.regen_temperature": 0.0}, "data.regen_answers=2: further answers are "
      "sampled, so it needs data.regenerate=true and data.regen_temperature > 0 (got True, 0)"),
@@ -171,6 +178,9 @@ def test_the_defaults_and_edge_values_pass(monkeypatch):
     check_job("train", _job("train"))
     check_job("train", _job("train", **{"data.regen_answers": 2, "data.regen_temperature": 0.7, "data.num_train": None}))
     check_job("eval", _job("eval", **{"decode.method": "ar", "decode.num_draft_tokens": 0, "decode.top_p": 1.0}))
+    check_job("bench", _job("bench", **{"decode.max_new_tokens": 8, "decode.repeats": 2, "decode.warmup": 0,
+                                        "decode.tree.depth": 3, "decode.static_shapes": True, "decode.compile": True,
+                                        "decode.buckets": [1, 4], "decode.draft_model": None}))
     check_job("eval", _job("eval", **{"decode.batch_size": 8, "decode.method": "pld", "decode.typical_acceptance": True}))
     check_job("eval", _job("eval", **{"decode.tree.enabled": True, "decode.tree.depth": 2, "decode.tree.top_k": 2,
                                       "decode.tree.total_tokens": 6, "decode.grammar": "regex:[a-z]{2,4}"}))
@@ -259,6 +269,9 @@ def _digest(path: Path) -> str:
     (["eval", "decode.method=ar", 'decode.grammar="regex:a{2,1"'], ["decode.grammar", "regex", "not a valid grammar"]),
     (["train", "recipe=distill"], ["recipe=distill", "renamed recipe=draft_model"]),  # the family's old name
     (["capture", "method=distill", "capture.path=feats"], ["method=distill", "renamed method=draft_model"]),
+    # keys an older release had elsewhere (config.MOVED_KEYS): the new key named
+    (["train", "eagle3.topk_distill=3"], ["eagle3.topk_distill=3", "write eagle3.experimental.topk_distill=3"]),
+    (["bench", "max_new_tokens=64"], ["max_new_tokens=64", "write decode.max_new_tokens=64"]),
 ])
 def test_cli_bad_setting_is_one_line_before_anything_runs(args, needles, tmp_path):
     data = tmp_path / "keep.jsonl"
@@ -283,3 +296,70 @@ def test_cli_damaged_target_weights_is_one_line_naming_the_target(tmp_path, tiny
                  f"hydra.run.dir={tmp_path}/run"], cwd=REPO)
     assert f"target.name_or_path={target}" in line and "cannot load the model weights" in line, line
     assert _digest(weights) == before
+
+
+# ---------------------------------------------------------------------------------------- moved keys
+
+
+@pytest.mark.parametrize("job,override,new", [
+    ("train", "eagle3.topk_distill=3", "eagle3.experimental.topk_distill=3"),
+    ("train", "+eagle3.align_top_k=1", "eagle3.experimental.align_top_k=1"),
+    ("capture", "eagle3.init_layer=-1", "eagle3.experimental.init_layer=-1"),
+    ("bench", "max_new_tokens=64", "decode.max_new_tokens=64"),
+    ("bench", "runs=5", "decode.repeats=5"),
+    ("bench", "tree.depth=3", "decode.tree.depth=3"),
+    ("bench", "draft_model=null", "decode.draft_model=null"),
+    ("tune", "num_prompts=2", "decode.num_prompts=2"),
+])
+def test_a_moved_key_is_one_line_naming_the_new_key(job, override, new, capsys):
+    from drafttrain.cli import check_overrides
+
+    with pytest.raises(SystemExit) as e:
+        check_overrides(job, [override])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: ") and err.endswith(f"(write {new})"), err
+
+
+def test_every_moved_key_is_gone_and_its_new_key_exists():
+    """MOVED_KEYS names keys that no longer exist, each moved to one that does (or the hint would mislead)."""
+    schema = {job: OmegaConf.structured(JOB_SCHEMAS[job]) for job in C.MOVED_KEYS}
+    for job, moved in C.MOVED_KEYS.items():
+        for old, new in moved.items():
+            assert OmegaConf.select(schema[job], old, default="gone") == "gone", (job, old)
+            assert OmegaConf.select(schema[job], new, default="gone") != "gone", (job, new)
+    assert {f"eagle3.experimental.{n}" for n in C.EAGLE3_EXPERIMENTAL} == set(C.MOVED_KEYS["train"].values())
+
+
+def test_a_moved_key_in_a_config_file_names_the_new_key():
+    """The same key in a YAML file (a user's recipe) is reported at composition, with the same hint."""
+    from drafttrain.cli import _describe_config_error
+
+    with pytest.raises(Exception) as e:
+        OmegaConf.merge(OmegaConf.structured(C.TrainJob), {"eagle3": {"score_prompt": True}})
+    assert _describe_config_error(e.value, "train") == ("eagle3.score_prompt: this key is now "
+                                                        "eagle3.experimental.score_prompt "
+                                                        "(write eagle3.experimental.score_prompt=…)")
+    with pytest.raises(Exception) as e:
+        OmegaConf.merge(OmegaConf.structured(C.TrainJob), {"eagle3": {"score_prompz": True}})
+    assert "unknown config key 'eagle3.score_prompz'" in _describe_config_error(e.value, "train")
+
+
+def test_a_checkpoints_recorded_config_with_the_old_keys_still_loads(tmp_path):
+    """A checkpoint written before the levers moved records them under eagle3.*: it is read with them moved,
+    values kept, so it resumes and evaluates (training/checkpoint.read_checkpoint_meta)."""
+    import json
+
+    from drafttrain.training import checkpoint
+
+    old = OmegaConf.to_container(OmegaConf.structured(C.TrainJob))
+    experimental = old["eagle3"].pop("experimental")
+    old["eagle3"].update(experimental, topk_distill=3, init_layer=-1)
+    with pytest.raises(Exception):
+        OmegaConf.merge(OmegaConf.structured(C.TrainJob), old)  # what an unmodified read would do
+    (tmp_path / checkpoint.STATE).write_text(json.dumps({"method": "eagle3", "config": old}))
+    meta = checkpoint.read_checkpoint_meta(tmp_path)
+    job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(C.TrainJob), meta["config"]))
+    assert job.eagle3.experimental.topk_distill == 3 and job.eagle3.experimental.init_layer == -1
+    assert job.eagle3.ttt_steps == C.Eagle3Config().ttt_steps
+    assert C.upgrade_recorded_config(meta["config"]) == meta["config"]  # today's layout is left as it is

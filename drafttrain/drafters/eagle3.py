@@ -754,7 +754,8 @@ class Eagle3Drafter(nn.Module):
         so at the start they apply the target layer to the mean of the two streams. Returns the names set."""
         layers = _decoder_layers(target_model)
         if not -len(layers) <= index < len(layers):
-            raise DraftTrainError(f"eagle3.init_layer={index}: the target has {len(layers)} decoder layers")
+            raise DraftTrainError(f"eagle3.experimental.init_layer={index}: the target has {len(layers)} "
+                                  "decoder layers")
         src = dict(layers[index].named_parameters())
         done = []
         for li, layer in enumerate(self.layers):

@@ -1,8 +1,8 @@
 """``drafttrain bench`` and ``drafttrain tune``: our speculative decoder against Hugging Face generation, and
 choosing the draft length / tree size from measured acceptance and costs.
 
-bench: on one target, drafter and prompt set, greedy, batch 1, after a warm-up, ``runs`` timed passes over the
-prompts (ours and HF interleaved per pass), medians of tokens/s:
+bench: on one target, drafter and prompt set, greedy, batch 1, after ``decode.warmup`` untimed passes,
+``decode.repeats`` timed passes over the prompts (ours and HF interleaved per pass), medians of tokens/s:
 
     ours ar            vs  HF model.generate()
     ours draft_model   vs  HF generate(assistant_model=...)          (HF's default assistant schedule)
@@ -302,7 +302,7 @@ def _setup(job):
         rec = recorded_target(job.drafter) if job.drafter and (Path(job.drafter) / "config.json").exists() else None
         job.target.name_or_path = rec or "builtin"
     model, tokenizer, path = load_target(job.target)
-    prompts = eval_prompt_ids(tokenizer, eval_conversations(job.data, path), job.num_prompts)
+    prompts = eval_prompt_ids(tokenizer, eval_conversations(job.data, path), job.decode.num_prompts)
     return model, tokenizer, path, target_id(path), prompts
 
 
@@ -314,19 +314,20 @@ def run_bench(job, run_dir: Path) -> dict:
     model, tokenizer, path, tname, prompts = _setup(job)
     dev = next(model.parameters()).device
     drafter = load_eagle3(job.drafter, model)
+    d = job.decode
     dm = None
     dm_path = None
-    if job.draft_model and "draft_model" in job.methods:
-        dm, dtok, dm_path = load_draft_model(job.draft_model, job.target, dev)
+    if d.draft_model and "draft_model" in job.methods:
+        dm, dtok, dm_path = load_draft_model(d.draft_model, job.target, dev)
         if dtok.get_vocab() != tokenizer.get_vocab():
-            raise DraftTrainError(f"draft_model={job.draft_model}: its tokenizer differs from the target's")
+            raise DraftTrainError(f"decode.draft_model={d.draft_model}: its tokenizer differs from the target's")
     res = bench(model, tokenizer, prompts, drafter=drafter, draft_model=dm, methods=job.methods,
-                max_new_tokens=job.max_new_tokens, warmup=job.warmup, runs=job.runs,
-                num_draft_tokens=job.num_draft_tokens, pld_num_tokens=job.pld_num_tokens,
-                pld_max_ngram=job.pld_max_ngram, pld_tree_branches=job.pld_tree_branches,
+                max_new_tokens=d.max_new_tokens, warmup=d.warmup, runs=d.repeats,
+                num_draft_tokens=d.num_draft_tokens, pld_num_tokens=job.pld_num_tokens,
+                pld_max_ngram=d.pld_max_ngram, pld_tree_branches=job.pld_tree_branches,
                 pld_tree_nodes=job.pld_tree_nodes,
-                tree=dict(depth=job.tree.depth, top_k=job.tree.top_k, total_tokens=job.tree.total_tokens),
-                cache=job.cache, static_shapes=job.static_shapes, compile=job.compile, buckets=job.buckets,
+                tree=dict(depth=d.tree.depth, top_k=d.tree.top_k, total_tokens=d.tree.total_tokens),
+                cache=d.cache, static_shapes=d.static_shapes, compile=d.compile, buckets=d.buckets,
                 hf_num_assistant_tokens=job.hf_num_assistant_tokens, eagle3_num_draft_tokens=job.eagle3_num_draft_tokens)
     res.update(target=tname, drafter=job.drafter, draft_model=dm_path, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
     table = format_table(res)
@@ -458,7 +459,8 @@ def _tune_proposer(job, model, prompts):
         drafter = load_drafter(job.drafter, dev, target_model=model).eval()
     if method not in ("eagle3", "draft_model", "pld", "dflash"):
         raise DraftTrainError(f"tune: decode.method={method}: tune eagle3 (chain or tree), dflash, draft_model or pld")
-    max_len = cache_length(prompts, job.max_new_tokens, max(job.max_draft_tokens, *job.tree_sizes))
+    block = int(drafter.config.block_size) if method == "dflash" else 0
+    max_len = cache_length(prompts, job.decode.max_new_tokens, max(job.max_draft_tokens, block, *job.tree_sizes))
     if method == "draft_model" and job.decode.draft_model:
         dm, _, _ = load_draft_model(job.decode.draft_model, job.target, dev)
         return make_proposer(method, drafter=dm, decode=job.decode, max_len=max_len, device=dev), drafter
@@ -474,7 +476,8 @@ def run_tune(job, run_dir: Path) -> dict:
     proposer, drafter = _tune_proposer(job, model, prompts)
     taps = target_taps(method, drafter) if drafter is not None else None
     res = tune(model, tokenizer, prompts, proposer, job.decode, taps=taps, method=method,
-               max_draft_tokens=job.max_draft_tokens, tree_sizes=job.tree_sizes, max_new_tokens=job.max_new_tokens,
+               max_draft_tokens=job.max_draft_tokens, tree_sizes=job.tree_sizes,
+               max_new_tokens=job.decode.max_new_tokens,
                repeats=job.repeats)
     res.update(target=tname, drafter=job.drafter, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
     rows = res["rows"]

@@ -233,14 +233,17 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
 
 def read_checkpoint_meta(path: Path) -> dict:
     """A checkpoint's recorded state; a method under an older release's name (config.RENAMED_METHODS) is read
-    as today's, in ``method`` and in the recorded job config, so such checkpoints resume and evaluate."""
-    from ..config import RENAMED_METHODS
+    as today's, in ``method`` and in the recorded job config, and so are keys an older release kept elsewhere
+    (config.upgrade_recorded_config), so such checkpoints resume and evaluate."""
+    from ..config import RENAMED_METHODS, upgrade_recorded_config
 
     meta = read_json(Path(path) / STATE)
     if meta.get("method") in RENAMED_METHODS:
         meta["method"] = RENAMED_METHODS[meta["method"]]
     if isinstance(meta.get("config"), dict) and meta["config"].get("method") in RENAMED_METHODS:
         meta["config"] = {**meta["config"], "method": RENAMED_METHODS[meta["config"]["method"]]}
+    if isinstance(meta.get("config"), dict):
+        meta["config"] = upgrade_recorded_config(meta["config"])
     return meta
 
 

@@ -55,8 +55,8 @@ def ttt_depth(step: int, ttt_steps: int, curriculum: int) -> int:
 
 
 class _Alignment:
-    """``eagle3.align_top_k``'s state over one micro-batch's TTT unroll: ``keep`` ``[B, T]`` is False at the
-    positions some earlier step scored where the target's argmax was not among the draft's top-k
+    """``eagle3.experimental.align_top_k``'s state over one micro-batch's TTT unroll: ``keep`` ``[B, T]`` is
+    False at the positions some earlier step scored where the target's argmax was not among the draft's top-k
     (:func:`drafttrain.losses.eagle3_aligned`); step i scores its valid positions that are still kept. The
     selection of each step is recorded the first time, so a recomputation of the step (``checkpoint_head``'s
     backward) scores the same rows and does not update ``keep`` again."""
@@ -97,7 +97,8 @@ class Eagle3Method(MethodDefaults):
         if self.ttt_steps < 1:
             raise DraftTrainError(f"eagle3.ttt_steps={self.ttt_steps}: must be >= 1")
         self.weights = step_weights(self.ttt_steps, cfg.step_decay)
-        self.curriculum = int(cfg.ttt_curriculum)
+        exp = cfg.experimental  # eagle3.experimental: the levers that did not earn a place
+        self.curriculum = int(exp.ttt_curriculum)
         self.depth = ttt_depth(0, self.ttt_steps, self.curriculum)  # steps unrolled now (begin_step updates it)
         # every stop token stays in the draft vocabulary (Llama-3 / Qwen3 list several; a rare one would
         # otherwise fall out and the drafter could never propose the end of an answer)
@@ -108,15 +109,15 @@ class Eagle3Method(MethodDefaults):
         self.compact = bool(cfg.compact_teacher)
         self.checkpoint_head = bool(cfg.checkpoint_head)
         self.recompute_teacher = bool(cfg.recompute_teacher)
-        self.feature_noise = float(cfg.feature_noise)
+        self.feature_noise = float(exp.feature_noise)
         self.teacher_temperature = float(cfg.teacher_temperature)
-        self.topk_distill = int(cfg.topk_distill)
-        self.topk_distill_weight = float(cfg.topk_distill_weight)
-        self.align_top_k = int(cfg.align_top_k)
-        self.score_oov = bool(cfg.score_oov)
-        self.answer_chains = bool(cfg.answer_chains)
-        self.score_prompt = bool(cfg.score_prompt)
-        self.feature_weight = float(cfg.feature_loss_weight)
+        self.topk_distill = int(exp.topk_distill)
+        self.topk_distill_weight = float(exp.topk_distill_weight)
+        self.align_top_k = int(exp.align_top_k)
+        self.score_oov = bool(exp.score_oov)
+        self.answer_chains = bool(exp.answer_chains)
+        self.score_prompt = bool(exp.score_prompt)
+        self.feature_weight = float(exp.feature_loss_weight)
 
     def build_drafter(self, target_model, examples, target_name: str) -> Eagle3Drafter:
         V = target_model.get_output_embeddings().weight.shape[0]
@@ -131,10 +132,10 @@ class Eagle3Method(MethodDefaults):
         drafter = Eagle3Drafter.from_target(
             target_model, self.taps, d2t, t2d, num_layers=self.cfg.num_layers, target_name_or_path=target_name,
             fc_norm=self.cfg.fc_norm, norm_output=self.cfg.norm_output, qk_norm=self.cfg.qk_norm,
-            init_layer=self.cfg.init_layer, norm_before_residual=self.cfg.norm_before_residual,
+            init_layer=self.cfg.experimental.init_layer, norm_before_residual=self.cfg.norm_before_residual,
             norm_before_fc=self.cfg.norm_before_fc,
         )
-        if self.cfg.freeze_lm_head:
+        if self.cfg.experimental.freeze_lm_head:
             drafter.freeze_lm_head()
         return drafter
 

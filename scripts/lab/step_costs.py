@@ -5,7 +5,7 @@
     python scripts/lab/step_costs.py --compile --threads 1 --context 100
 
 For the target and the draft model, each behind our TargetRunner (static KV cache; with ``--compile`` static
-shapes + torch.compile, as ``drafttrain bench static_shapes=true compile=true``), it times a 1-token decode
+shapes + torch.compile, as ``drafttrain bench decode.static_shapes=true decode.compile=true``), it times a 1-token decode
 step and a 4-position verify forward after a ``--context``-token prefill (warm-up first, best of 3 repeats),
 and for the draft model a whole greedy draft chain (``TargetRunner.greedy_chain``: catch up on 2 committed
 tokens, then K - 1 steps; one graph when compiled). A K-draft round costs about verify(K+1) + chain(K) and
