@@ -215,7 +215,7 @@ class Eagle3Config:
     # logits for the rows it scores only, instead of storing [B, T, draft vocab] float32 logits (same loss; one
     # more [N, H] x [H, draft vocab] matmul per step; for large draft vocabularies and long rows)
     recompute_teacher: bool = False
-    # EAGLE-3.1 (on by default: +21% τ at 100 steps on the built-in target, bench/training_quality.md)
+    # EAGLE-3.1 (on by default: +21% τ at 100 steps on the built-in target, bench/notebook/training_quality.md)
     fc_norm: bool = True  # RMSNorm on each tap before fc
     norm_output: bool = True  # the next step reads the post-norm hidden state
     qk_norm: bool = False  # Qwen3-style draft layer (q/k RMSNorm per head)
@@ -459,7 +459,7 @@ class CaptureConfig:
 
     mode: str = one_of("online", "online", "offline")  # train: online | offline (read the features stored under `path`)
     # capture: hf (HF forwards of the target in this process) | vllm (vLLM's extract_hidden_states in the engine venv,
-    # scripts/make_engine_venv.sh; one process; the same store, tolerance in bench/capture_vllm.md)
+    # scripts/make_engine_venv.sh; one process; the same store, tolerance in bench/notebook/capture_vllm.md)
     backend: str = one_of("hf", "hf", "vllm")
     path: Optional[str] = None  # the feature directory (`drafttrain capture` writes it; offline training reads it)
     dtype: str = one_of("bfloat16", *STORAGE_DTYPES)  # capture: storage dtype of hidden states

@@ -1,7 +1,7 @@
 """Speedup against batch size: where speculative decoding stops paying (``drafttrain eval decode.batch_sizes=[…]``).
 
 For each batch size B the same prompts are decoded by the batched AR and speculative decoders
-(:mod:`drafttrain.decoding.batched`, through ``eval.measure_batched``: the two back to back per pass), B rows
+(:mod:`drafttrain.decoding.batched`, through ``measure.measure_batched``: the two back to back per pass), B rows
 at a time with finished rows refilled (``decode.continuous_batching``, default; false: groups of B), giving AR
 tokens/s, speculative tokens/s, τ, α per position and the speedup, side by side. Batch 1 is also run on
 today's batch-1 path (:class:`~drafttrain.decoding.engine.SpecDecoder`), so a regression of the batched code
@@ -166,7 +166,7 @@ def _row(B: int, m, path: str) -> dict:
 
 
 def batch_sweep(run, batch_sizes: Sequence[int], *, cost_reps: int = 9) -> dict:
-    """Measure speedup against batch size on ``run``'s prompts (an ``eval.EvalRun``; every B decodes the same
+    """Measure speedup against batch size on ``run``'s prompts (a ``measure.EvalRun``; every B decodes the same
     prompts) and predict it (module docstring). Returns the report's ``batch_sweep`` section."""
 
     sizes = sorted({int(b) for b in batch_sizes})
