@@ -134,3 +134,17 @@ def test_serve_commands_name_every_engine_that_loads_the_layout(tmp_path):
     card = model_card(lm, "draft_model", "hf", "bfloat16", "acme/t", serve_commands(lm))
     assert front_matter(card)["library_name"] == "transformers" and "- draft-model" in card
     assert card.count("```") == 4  # one block per engine
+
+
+def test_card_of_a_checkpoint_reads_the_run_config_and_its_own_report(run, tmp_path):
+    import shutil
+
+    ckpt = run / "checkpoints" / "step_00000300"
+    shutil.copytree(run / "final", ckpt / "drafter")  # what training.checkpoint.drafter_dir builds
+    card = (export_drafter(ckpt / "drafter", "vllm", tmp_path / "c") / CARD_NAME).read_text()
+    assert "600 optimizer steps x batch 32" in card and "the weights of step 300 of this run" in card
+    assert "steps recorded in" not in card  # train_metrics.json is the final drafter's
+    assert "Not evaluated: no `report.json` beside the drafter" in card  # the run's report is the final drafter's
+    (ckpt / "report.json").write_text(json.dumps(dict(REPORT, tau=1.5, categories=[])))
+    card = (export_drafter(ckpt / "drafter", "vllm", tmp_path / "c", overwrite=True) / CARD_NAME).read_text()
+    assert "| 1.500 | 0.510 |" in card and "Per category" not in card

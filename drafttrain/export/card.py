@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from ..io import DraftTrainError, read_json
-from ..layout import CONFIG_NAME, DFLASH_TYPE, DRAFT_MODEL_TYPE, EAGLE3_TYPE, MEDUSA2_TYPE, MEDUSA_TYPE, TARGET_KEY
+from ..layout import CONFIG_NAME, DFLASH_TYPE, DRAFTER_SUBDIR, DRAFT_MODEL_TYPE, EAGLE3_TYPE, MEDUSA2_TYPE, MEDUSA_TYPE, TARGET_KEY
 
 __all__ = ["CARD_NAME", "run_records", "model_card"]
 
@@ -40,16 +40,24 @@ def _read(path: Path, kind: str):
 def run_records(drafter: Path) -> dict:
     """The records of the run the drafter at ``drafter`` came from, read beside it (``drafter.parent``):
     ``config`` (.hydra/config.yaml), ``overrides`` (.hydra/overrides.yaml), ``metrics`` (train_metrics.json),
-    ``report`` (report.json); each None when absent."""
-    run = Path(drafter).resolve().parent
-    out = {"run": run, "config": _read(run / ".hydra" / "config.yaml", "yaml"),
+    ``report`` (report.json); each None when absent. A training checkpoint's drafter
+    (``<run>/checkpoints/step_N/drafter``): the run's config, the checkpoint's own report (train.eval_checkpoints),
+    no metrics (those are the final drafter's), ``step`` = N."""
+    here = Path(drafter).resolve().parent
+    run, step = here, None
+    if Path(drafter).name == DRAFTER_SUBDIR and here.parent.name == "checkpoints" and \
+            here.name.startswith("step_") and here.name[5:].isdigit():
+        run, step = here.parent.parent, int(here.name[5:])
+    out = {"run": run, "here": here, "step": step, "config": _read(run / ".hydra" / "config.yaml", "yaml"),
            "overrides": _read(run / ".hydra" / "overrides.yaml", "yaml"),
-           "metrics": _read(run / "train_metrics.json", "json"), "report": _read(run / "report.json", "json")}
+           "metrics": None if step is not None else _read(run / "train_metrics.json", "json"),
+           "report": _read(here / "report.json", "json")}
     for key, name in (("config", ".hydra/config.yaml"), ("overrides", ".hydra/overrides.yaml"),
                       ("metrics", "train_metrics.json"), ("report", "report.json")):
         want = list if key == "overrides" else dict
         if out[key] is not None and not isinstance(out[key], want):
-            raise DraftTrainError(f"{run / name}: expected a {want.__name__}, got {type(out[key]).__name__}")
+            where = (here if key == "report" else run) / name
+            raise DraftTrainError(f"{where}: expected a {want.__name__}, got {type(out[key]).__name__}")
     return out
 
 
@@ -97,6 +105,8 @@ def _training(rec: dict) -> list[str]:
         last = hist[-1] if hist and isinstance(hist[-1], dict) else {}
         lines.append(f"- **Trained:** {last.get('step', len(hist))} steps recorded in {_f(secs, '.0f')} s"
                      + (f"; last loss {_f(last.get('loss'), '.4g')}" if last.get("loss") is not None else ""))
+    if rec.get("step") is not None:
+        lines.append(f"- **Checkpoint:** the weights of step {rec['step']} of this run (`checkpoints/`), not its end")
     if overrides:
         lines.append("- **Command:** `drafttrain train " + " ".join(str(o) for o in overrides) + "`")
     return lines
@@ -116,7 +126,7 @@ def _settings(rep: dict) -> str:
 def _evaluation(rec: dict, dtype: str) -> list[str]:
     rep = rec["report"]
     if rep is None:
-        return [f"Not evaluated: no `report.json` beside the drafter (in `{rec['run']}`). Measure it with "
+        return [f"Not evaluated: no `report.json` beside the drafter (in `{Path(rec['here'])}`). Measure it with "
                 "`drafttrain eval drafter=<this folder>`."]
     unit = rep.get("acceptance_unit", "position")
     app = rep.get("acceptance_per_position") or []
