@@ -470,7 +470,7 @@ class CaptureConfig:
 
     mode: str = one_of("online", "online", "offline")  # train: online | offline (read the features stored under `path`)
     # capture: hf (HF forwards of the target in this process) | vllm (vLLM's extract_hidden_states in the engine venv,
-    # scripts/make_engine_venv.sh; one process; the same store, tolerance in bench/capture_vllm.md)
+    # scripts/make_engine_venv.sh; one process; the same store, tolerance in bench/notebook/capture_vllm.md)
     backend: str = one_of("hf", "hf", "vllm")
     path: Optional[str] = None  # the feature directory (`drafttrain capture` writes it; offline training reads it)
     dtype: str = one_of("bfloat16", *STORAGE_DTYPES)  # capture: storage dtype of hidden states

@@ -26,7 +26,7 @@ prepare() {
     python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3 || exit 1
     local target draft
     target=$(python3 -m drafttrain.cli build-target | tail -1) || exit 1
-    draft=$(python3 -c "from drafttrain.bench import builtin_small_draft; from drafttrain.config import TargetConfig; print(builtin_small_draft(TargetConfig()))") || exit 1
+    draft=$(python3 -c "from drafttrain.targets.builtin import builtin_small_draft; from drafttrain.config import TargetConfig; print(builtin_small_draft(TargetConfig()))") || exit 1
     cp -r "$target" .gpu_carry/target && cp -r "$draft" .gpu_carry/draft && cp -r "$drafter" .gpu_carry/drafter
     du -sh .whl .gpu_carry
 }

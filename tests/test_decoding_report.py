@@ -61,6 +61,12 @@ def test_report_chain_with_sweep_and_plots(tiny, tmp_path):
         assert on_disk["live_reached_per_position"][i] <= on_disk["reached_per_position"][i]
     assert [s["draft_tokens"] for s in rep["sweep"]] == [1, 3]
     assert all(s["speedup"] > 0 and s["tau"] >= 1 for s in rep["sweep"])
+    c = on_disk["draft_cost_ratio"]  # the drafter's seconds per draft token over the target's per verify forward
+    assert c == pytest.approx(rep["time_draft_s"] / (3 * rep["time_target_s"]))
+    assert on_disk["predicted_speedup"] == pytest.approx(rep["tau"] / (1 + 3 * c))
+    for s in on_disk["sweep"]:  # the prediction beside every measured draft length, and the sweep's sample
+        assert s["predicted_speedup"] == pytest.approx(s["tau"] / (1 + s["draft_tokens"] * c))
+        assert s["prompts"] == 2 and 0 < s["new_tokens"] <= 2 * 10
     assert rep["frac_target"] + rep["frac_draft"] + rep["frac_other"] == pytest.approx(1.0)
     for png in ("acceptance.png", "speedup.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

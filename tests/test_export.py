@@ -281,7 +281,32 @@ def test_export_refuses_a_non_empty_directory(env, tmp_path):
     assert "overwrite=true" in r.stderr
     export_drafter(env["final"], "sglang", out, overwrite=True)
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     empty = tmp_path / "empty"
     empty.mkdir()
     export_drafter(env["final"], "vllm", empty)  # an existing empty directory is fine
+
+
+# ------------------------------------------------------------------------------------------ the model card
+def test_export_of_a_run_carries_its_model_card(env, tmp_path):
+    """The 4-step run's export: README.md with the target, the run's data and budget, its measured τ and
+    acceptance with the decode settings, and the launch command; the layout still loads back."""
+    import yaml
+
+    report = json.loads((env["run"] / "report.json").read_text())
+    out = export_drafter(env["final"], "vllm", tmp_path / "o")
+    card = (out / "README.md").read_text()
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["base_model"] == env["native"].config.target_name_or_path
+    assert front["tags"] == ["speculative-decoding", "eagle3", "drafttrain"]
+    assert "`data.source=builtin`" in card and "48 training conversations of up to 160 tokens" in card
+    assert "4 optimizer steps x batch 4 (16 conversations)" in card and "4 steps recorded in" in card
+    app = " ".join(format(a, ".2f") if a is not None else "-" for a in report["acceptance_per_position"])
+    assert f"| {report['tau']:.3f} | {report['alpha']:.3f} | {app} | {report['speedup']:.2f}x |" in card
+    assert "eagle3, chain K=3, greedy (lossless); 3 prompts x" in card
+    assert "this export's weights are bfloat16" in card  # the run measured the float32 drafter
+    assert f"vllm serve {out}" in card
+    from drafttrain.artifacts import load_drafter
+
+    back = load_drafter(str(out), "cpu", target_model=env["model"])  # the card does not disturb the read-back
+    assert back.config.tap_layers == env["native"].config.tap_layers

@@ -300,7 +300,7 @@ def test_export_passes_the_trtllm_contract(target, tmp_path, case):
     raw = json.loads((out / "config.json").read_text())
     assert raw["model_type"] == "llama" and raw["architectures"] == ["LlamaForCausalLMEagle3"]
     assert spec["max_draft_len"] == 4 and sorted(p.name for p in out.iterdir()) == [
-        "config.json", TRTLLM_OPTIONS_NAME, "model.safetensors"]
+        "README.md", "config.json", TRTLLM_OPTIONS_NAME, "model.safetensors"]
     n = d.config.num_layers
     assert any(k.startswith("model.midlayer.1.") for k in W) == (n > 1)
     assert ("model.d2t" in W) == (case != "full-vocab")

@@ -49,8 +49,8 @@ def pack_groups(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 # What a packed row costs the drafter: its linear layers, lm_head and loss scale with the row's tensor cells
 # (T), its TTT attention (scores, masks and softmax over [T, T] per head and per unrolled step) with T^2.
 # ATTENTION_TOKENS is the row length at which the two are equal; a packing of R rows of length T costs
-# R * (T + T^2 / ATTENTION_TOKENS) (bench/training_quality.md, "Step cost": merging uniform conversations
-# into rows several times longer made a step 1.4x-4x dearer although it saved a few cells).
+# R * (T + T^2 / ATTENTION_TOKENS) (bench/notebook/training_quality.md, section 3 "The cost of a step": merging
+# uniform conversations into rows several times longer made a step 1.4x-4x dearer although it saved a few cells).
 ATTENTION_TOKENS = 256
 
 

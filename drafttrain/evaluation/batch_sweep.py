@@ -1,7 +1,7 @@
 """Speedup against batch size: where speculative decoding stops paying (``drafttrain eval decode.batch_sizes=[…]``).
 
 For each batch size B the same prompts are decoded by the batched AR and speculative decoders
-(:mod:`drafttrain.decoding.batched`, through ``eval.measure_batched``: the two back to back per pass), B rows
+(:mod:`drafttrain.decoding.batched`, through ``measure.measure_batched``: the two back to back per pass), B rows
 at a time with finished rows refilled (``decode.continuous_batching``, default; false: groups of B), giving AR
 tokens/s, speculative tokens/s, τ, α per position and the speedup, side by side. Batch 1 is also run on
 today's batch-1 path (:class:`~drafttrain.decoding.engine.SpecDecoder`), so a regression of the batched code
@@ -166,7 +166,7 @@ def _row(B: int, m, path: str) -> dict:
 
 
 def batch_sweep(run, batch_sizes: Sequence[int], *, cost_reps: int = 9) -> dict:
-    """Measure speedup against batch size on ``run``'s prompts (an ``eval.EvalRun``; every B decodes the same
+    """Measure speedup against batch size on ``run``'s prompts (a ``measure.EvalRun``; every B decodes the same
     prompts) and predict it (module docstring). Returns the report's ``batch_sweep`` section."""
 
     sizes = sorted({int(b) for b in batch_sizes})
@@ -219,7 +219,8 @@ def batch_sweep(run, batch_sizes: Sequence[int], *, cost_reps: int = 9) -> dict:
     return {
         "batch_sizes": sizes, "rows": rows, "batch1_decoder": one, "num_prompts": len(run.prompts),
         "num_draft_tokens": K, "method": run.method, "temperature": float(decode0.temperature),
-        "max_new_tokens": int(decode0.max_new_tokens), "context_tokens": context, "expected_tau": tau_hat,
+        "max_new_tokens": int(decode0.max_new_tokens), "repeats": int(decode0.repeats), "context_tokens": context,
+        "expected_tau": tau_hat,
         "crossover": below[0] if below else None,
         "batched_vs_batch1_speedup": (b1["speedup"] / one["speedup"]) if b1 and b1["speedup"] and one["speedup"]
         else None,
@@ -256,39 +257,48 @@ def format_table(sweep: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_batch_sweep(sweep: dict, path: Path) -> None:
-    """Measured and predicted speedup against batch size, the break-even line and the crossover."""
+def batch_sweep_figure(sweep: dict):
+    """Measured (end to end and decode phase) and predicted speedup against batch size, the AR line and the
+    crossover; integer batch sizes; the sample (prompts, new tokens, passes) in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from ..io import save_figure
+    from matplotlib.ticker import NullLocator
 
     rows = sweep["rows"]
     bs = [r["batch_size"] for r in rows]
     nan = float("nan")
-    fig, ax = plt.subplots(figsize=(5.2, 3.4), dpi=120)
+    fig, ax = plt.subplots(figsize=(5.4, 3.8), dpi=120)
     ax.plot(bs, [r["speedup"] if r["speedup"] is not None else nan for r in rows], "o-", color="#C44E52",
-            label="measured")
+            label="measured, end to end")
     if any(r.get("decode_speedup") is not None for r in rows):
         ax.plot(bs, [r.get("decode_speedup") if r.get("decode_speedup") is not None else nan for r in rows], "^:",
-                color="#DD8452", label="measured, decode phase")
-    ax.plot(bs, [r["predicted_speedup"] for r in rows], "s--", color="#4C72B0", label="predicted")
-    ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+                color="#DD8452", label="measured, decode phase (no prefills)")
+    ax.plot(bs, [r["predicted_speedup"] for r in rows], "s--", color="#4C72B0",
+            label=r"predicted $\hat\tau\,c_T(B,1)\,/\,(E_w[c_T(B,w)]+c_D(B))$, $\hat\tau$="
+            f"{sweep['expected_tau']:.2f}")
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":", label="AR at the same B (1x)")
     if sweep["crossover"] is not None:
-        ax.axvline(sweep["crossover"], color="#C44E52", lw=0.8, ls="--")
-        ax.annotate(f"crossover B={sweep['crossover']}", (sweep["crossover"], 1.0), fontsize=8,
-                    xytext=(4, 6), textcoords="offset points")
+        ax.axvline(sweep["crossover"], color="#C44E52", lw=0.8, ls="--", label=f"crossover B={sweep['crossover']}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(bs, [str(b) for b in bs])
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel("batch size B")
     ax.set_ylabel("speedup vs AR at the same B")
-    ax.legend(fontsize=8)
-    ax.set_title(f"{sweep['method']}, K={sweep['num_draft_tokens']}, T={sweep['temperature']:g}: speedup vs batch",
-                 fontsize=9)
-    save_figure(fig, path)
+    ax.legend(fontsize=7)
+    passes = int(sweep.get("repeats") or 1)
+    ax.set_title(f"{sweep['method']}, K={sweep['num_draft_tokens']}, T={sweep['temperature']:g}: speedup vs batch\n"
+                 f"{sweep['num_prompts']} prompts x up to {sweep['max_new_tokens']} new tokens, {passes} timed "
+                 f"pass{'es' * (passes != 1)} per B", fontsize=8)
+    return fig
 
 
-__all__ = ["batch_sweep", "decode_phase", "expected_tau", "expected_tau_from_counts", "format_table", "plot_batch_sweep",
+def plot_batch_sweep(sweep: dict, path: Path) -> None:
+    from ..io import save_figure
+
+    save_figure(batch_sweep_figure(sweep), path)
+
+
+__all__ = ["batch_sweep", "batch_sweep_figure", "decode_phase", "expected_tau", "expected_tau_from_counts", "format_table", "plot_batch_sweep",
            "predicted_speedup", "target_costs", "verify_width_law"]

@@ -268,7 +268,8 @@ def sweep(run: EvalRun, m: Measured) -> list[dict]:
             res.append(run.run_spec(dec, i, p, m.refs[i]))
             sbar.update(1)
         agg = aggregate(res)
-        out.append({"draft_tokens": k, "prompts": n, "tau": agg["tau"], "alpha": agg["alpha"],
+        out.append({"draft_tokens": k, "prompts": n, "new_tokens": agg["num_new_tokens"], "tau": agg["tau"],
+                    "alpha": agg["alpha"],
                     "tokens_per_s": agg["tokens_per_s"],
                     "speedup": agg["tokens_per_s"] / base if base and agg["tokens_per_s"] else None})
     sbar.close()

@@ -37,6 +37,9 @@ def print_table(report: dict) -> None:
         ("tokens/s speculative | AR", f"{fmt(report['tokens_per_s'], '.1f')} | "
                                       f"{fmt(report['baseline_tokens_per_s'], '.1f')}"),
         ("speedup (same run, side by side)", fmt(report["speedup"], ".2f") + "x" + _spread_note(report)),
+        *([("predicted tau/(1+K*c), c", f"{fmt(report['predicted_speedup'], '.2f')}x, c = "
+                                         f"{fmt(report['draft_cost_ratio'], '.3f')}")]
+          if report.get("predicted_speedup") is not None else []),
         ("time split target/draft/other", " / ".join(fmt(report.get(k), ".0%") for k in
                                                    ("frac_target", "frac_draft", "frac_other"))),
         ("greedy outputs == AR", str(report["outputs_match_baseline"])),
@@ -46,7 +49,9 @@ def print_table(report: dict) -> None:
                      f"{fmt(report.get('valid_fraction'), '.0%')} / {fmt(report.get('baseline_valid_fraction'), '.0%')}"))
     for s in report.get("sweep") or []:
         on = f" ({s['prompts']} prompts)" if s.get("prompts") else ""
-        rows.append((f"  sweep K={s['draft_tokens']}{on}", f"tau {fmt(s['tau'], '.2f')}, speedup {fmt(s['speedup'], '.2f')}x"))
+        pred = f" (predicted {fmt(s['predicted_speedup'], '.2f')}x)" if s.get("predicted_speedup") is not None else ""
+        rows.append((f"  sweep K={s['draft_tokens']}{on}",
+                     f"tau {fmt(s['tau'], '.2f')}, speedup {fmt(s['speedup'], '.2f')}x{pred}"))
     w = max(len(r[0]) for r in rows)
     print("\n".join(["", "=" * (w + 40)] + [f"{k.ljust(w)}  {v}" for k, v in rows] + ["=" * (w + 40)]), flush=True)
 
@@ -65,44 +70,117 @@ def _spread_note(report: dict) -> str:
     return note + ")"
 
 
-def plot_acceptance(report: dict, path: Path) -> None:
+def draft_cost_ratio(report: dict) -> float | None:
+    """``c``: the drafter's seconds per draft token over the target's seconds per verify forward, from the run's
+    time split (a round runs the target once and drafts ``num_draft_tokens``; a tree: its depth); None without
+    a drafter or timings."""
+    K, t_target, t_draft = report.get("num_draft_tokens"), report.get("time_target_s"), report.get("time_draft_s")
+    if not K or not t_target or t_draft is None:
+        return None
+    return t_draft / (K * t_target)
+
+
+def chain_prediction(tau: float | None, K: int, c: float | None) -> float | None:
+    """The speedup ``τ / (1 + K·c)`` that τ tokens per round and a draft cost ``c`` per token give when a verify
+    forward costs what an AR step does and nothing else takes time (``draft_cost_ratio``)."""
+    if tau is None or c is None:
+        return None
+    return tau / (1.0 + K * c)
+
+
+def sample_size(report: dict) -> str:
+    """The sample a figure's numbers come from, in words: prompts, new tokens, timed passes."""
+    n, passes = report.get("prompts") or 0, int(report.get("repeats") or 1)
+    per = (report.get("new_tokens") or 0) / max(1, n)
+    return (f"{n} prompt{'s' * (n != 1)} x {per:.0f} new tokens (avg), "
+            f"{passes} timed pass{'es' * (passes != 1)}")
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _wrap(text: str, width: int = 70) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width))
+
+
+def acceptance_figure(report: dict):
+    """Bars: P(position i accepted | reached) per draft position (trees: depth), integer positions; a line: the
+    chance that the round's drafts up to i are all accepted (τ = 1 + its sum for a chain); sample and decode
+    settings in the title."""
+    plt = _pyplot()
     app = [a if a is not None else float("nan") for a in report.get("acceptance_per_position") or []]
-    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
-    ax.bar(range(1, len(app) + 1), app, color="#4C72B0")
-    ax.set_xlabel("tree depth" if report.get("acceptance_unit") == "depth" else "draft position")
-    ax.set_ylabel("P(accepted | reached)")
-    ax.set_ylim(0, 1)
-    ax.set_title(f"{report['method']}: tau={fmt(report['tau'], '.2f')}, speedup={fmt(report['speedup'], '.2f')}x"
-                 + (" (LOSSY)" if report.get("lossy") else ""), fontsize=9)
-    save_figure(fig, path)
+    pos = list(range(1, len(app) + 1))
+    unit = "tree depth" if report.get("acceptance_unit") == "depth" else "draft position"
+    fig, ax = plt.subplots(figsize=(5.4, 3.8), dpi=120)
+    ax.bar(pos, app, color="#4C72B0", label="P(accepted | reached), measured")
+    reach, run = [], 1.0
+    for a in app:
+        run *= 0.0 if a != a else a  # nan (never reached): nothing beyond it is accepted
+        reach.append(run)
+    ax.plot(pos, reach, "o--", color="#DD8452", label=f"P({unit}s 1..i all accepted)")
+    ax.set_xticks(pos, [str(p) for p in pos])
+    ax.set_xlabel(unit)
+    ax.set_ylabel("probability")
+    ax.set_ylim(0, 1.12)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.set_title(f"{report['method']}: τ={fmt(report['tau'], '.2f')}, speedup={fmt(report['speedup'], '.2f')}x"
+                 + (" (LOSSY)" if report.get("lossy") else "") + "\n"
+                 + _wrap(f"{sample_size(report)}; {decode_settings(report)}"), fontsize=8)
+    return fig
+
+
+def plot_acceptance(report: dict, path: Path) -> None:
+    save_figure(acceptance_figure(report), path)
+
+
+def speedup_figure(report: dict):
+    """The draft-length sweep: measured speedup beside the prediction τ/(1+K·c) (c from the main run's time split)
+    and the AR line above; τ per draft length below; integer K; the sweep's sample (its prompts, new tokens, one
+    pass) in the title."""
+    plt = _pyplot()
+    nan = float("nan")
+    sw = report.get("sweep") or []
+    ks = [int(s["draft_tokens"]) for s in sw]
+    c = report.get("draft_cost_ratio", draft_cost_ratio(report))
+    pred = [s.get("predicted_speedup", chain_prediction(s["tau"], s["draft_tokens"], c)) for s in sw]
+    unit = "tree depth" if report.get("acceptance_unit") == "depth" else "draft tokens K"
+    fig, (ax, ax2) = plt.subplots(2, 1, sharex=True, figsize=(5.4, 4.8), dpi=120, height_ratios=[3, 2])
+    ax.plot(ks, [s["speedup"] if s["speedup"] is not None else nan for s in sw], "o-", color="#C44E52",
+            label="measured speedup vs AR")
+    if any(p is not None for p in pred):
+        ax.plot(ks, [p if p is not None else nan for p in pred], "s--", color="#4C72B0",
+                label=f"predicted τ/(1+K·c), c={c:.3f}")
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":", label="AR (1x)")
+    ax.set_ylabel("speedup")
+    ax.legend(fontsize=7)
+    ax2.plot(ks, [s["tau"] if s["tau"] is not None else nan for s in sw], "o-", color="#55A868",
+             label="τ measured (tokens per target forward)")
+    ax2.set_ylabel("τ")
+    ax2.legend(fontsize=7)
+    ax2.set_xticks(ks, [str(k) for k in ks])
+    ax2.set_xlabel(unit)
+    n = max((int(s.get("prompts") or 0) for s in sw), default=0)
+    tok = [s["new_tokens"] for s in sw if s.get("new_tokens") is not None]
+    tokens = f" x {sum(tok) / len(tok) / max(1, n):.0f} new tokens (avg)" if tok else ""
+    cost = (f"; c = draft s per token / target s per forward, at K={report.get('num_draft_tokens')}"
+            if c is not None else "")
+    ax.set_title(f"{report['method']}: speedup and τ vs draft length\n"
+                 + _wrap(f"sweep: {n} prompt{'s' * (n != 1)}{tokens}, 1 pass per length (decode.sweep_prompts)"
+                         f"{cost}"), fontsize=8)
+    return fig
 
 
 def plot_speedup(report: dict, path: Path) -> None:
-    """Measured speedup (and tau) against the draft length (trees: depth) of the sweep."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sw = report.get("sweep") or []
-    ks = [s["draft_tokens"] for s in sw]
-    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
-    ax.plot(ks, [s["speedup"] if s["speedup"] is not None else float("nan") for s in sw], "o-", color="#C44E52",
-            label="speedup vs AR")
-    ax.axhline(1.0, color="gray", lw=0.8, ls=":")
-    ax.set_xlabel("tree depth" if report.get("acceptance_unit") == "depth" else "draft tokens K")
-    ax.set_ylabel("speedup (measured)")
-    ax2 = ax.twinx()
-    ax2.plot(ks, [s["tau"] if s["tau"] is not None else float("nan") for s in sw], "s--", color="#4C72B0",
-             label="tau")
-    ax2.set_ylabel("tau")
-    ax.set_title(f"{report['method']}: speedup and tau vs draft length", fontsize=9)
-    save_figure(fig, path)
+    """Measured and predicted speedup, and tau, against the draft length (trees: depth) of the sweep."""
+    save_figure(speedup_figure(report), path)
 
 
 def verification_label(decode, typical_used: bool) -> str:
@@ -222,6 +300,9 @@ def build_report(run: EvalRun, m: Measured, swept: list[dict], *, target_name: s
         **_validity(run, m, S),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    c = report["draft_cost_ratio"] = draft_cost_ratio(report)
+    report["predicted_speedup"] = chain_prediction(report["tau"], run.K, c)
+    report["sweep"] = [{**s, "predicted_speedup": chain_prediction(s["tau"], s["draft_tokens"], c)} for s in swept]
     if run.is_tree:
         report["acceptance_per_depth"] = S["acceptance_per_position"]
     if run.labels:

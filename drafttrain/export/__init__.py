@@ -20,6 +20,8 @@ distilled (LM)  ``hf`` (also accepted: ``vllm``, ``sglang``): a plain HF model d
                 loads that directory too (``format=trtllm`` is refused with that hint).
 ==============  =========================================================================================
 
+Every export carries a model card, ``README.md`` (export/card.py): the target, the training data and budget, the
+measured τ / acceptance with the decode settings (from the run beside the drafter) and each engine's launch command.
 The output directory is built under a temporary name and renamed into place; a non-empty ``out`` is refused
 unless ``overwrite=true``. Every exported EAGLE-3 / Medusa directory loads back into ``drafttrain eval``.
 """
@@ -32,13 +34,14 @@ from pathlib import Path
 import torch
 
 from ..artifacts import exported_layout
-from ..io import DraftTrainError, atomic_dir, read_json, write_json
+from ..io import DraftTrainError, atomic_dir, read_json, write_json, write_text
 from ..layout import (ADAPTER_DIR, ADAPTER_KEY, CONFIG_NAME, DFLASH_TYPE, DRAFT_MODEL_TYPE, DRAFTER_TYPES, EAGLE3_TYPE,
-                      HEADS_DIR, HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE, TRTLLM_LAYOUT, TRTLLM_OPTIONS_NAME, WEIGHTS_NAME,
+                      HEADS_DIR, HEADS_KEY, MEDUSA2_TYPE, MEDUSA_TYPE, TARGET_KEY, TRTLLM_LAYOUT, TRTLLM_OPTIONS_NAME, WEIGHTS_NAME,
                       exported_dflash, saved_type)
+from .card import CARD_NAME, model_card
 from .eagle3 import export_dtype, write_eagle3
 
-__all__ = ["export_drafter", "run_export", "FORMATS"]
+__all__ = ["export_drafter", "run_export", "serve_commands", "serve_hint", "FORMATS"]
 
 FORMATS = ("vllm", "sglang", TRTLLM_LAYOUT, "hf", "zlab")
 
@@ -138,38 +141,65 @@ def export_drafter(drafter: str | os.PathLike, fmt: str, out: str | os.PathLike,
         else:
             raise DraftTrainError(f"drafter={src}: unknown drafter_type {kind!r} (expected "
                                   f"{', '.join(DRAFTER_TYPES[:-1])} or {DRAFTER_TYPES[-1]})")
+        target = verifier or read_json(src / CONFIG_NAME).get(TARGET_KEY)
+        write_text(tmp / CARD_NAME, model_card(src, kind, fmt, dtype, target, serve_commands(tmp, shown=out)))
     return out
 
 
-def serve_hint(kind_dir: Path, fmt: str) -> str:
+def _dflash_command(kind_dir, cfg: dict, engine: str) -> str:
+    k = (cfg.get("block_size") or 16) - 1
+    if engine == TRTLLM_LAYOUT:
+        return f"trtllm-serve <target> --extra_llm_api_options {Path(kind_dir) / TRTLLM_OPTIONS_NAME}"
+    if engine == "sglang":
+        return (f"python -m sglang.launch_server --model <target> --speculative-algorithm DFLASH "
+                f"--speculative-draft-model-path {kind_dir} --speculative-num-draft-tokens {k + 1}")
+    return (f"vllm serve <target> --attention-backend flash_attn --speculative-config '{{\"method\": \"dflash\", "
+            f"\"model\": \"{kind_dir}\", \"num_speculative_tokens\": {k}}}'")
+
+
+def serve_commands(kind_dir: Path, shown: Path | None = None) -> list[tuple[str, str]]:
+    """(engine, launch command) for every engine that loads the export in ``kind_dir`` (its path written as
+    ``shown``, default ``kind_dir``): DFlash's z-lab layout loads in vLLM and SGLang, and in TensorRT-LLM with
+    the options file ``format=trtllm`` writes; a draft model in vLLM and SGLang; every other layout in one."""
+    kind_dir = Path(kind_dir)
+    shown = kind_dir if shown is None else Path(shown)
     cfg = read_json(kind_dir / CONFIG_NAME)
-    if exported_dflash(cfg):
-        k = (cfg.get("block_size") or 16) - 1
-        if fmt == TRTLLM_LAYOUT:
-            return f"trtllm-serve <target> --extra_llm_api_options {kind_dir / TRTLLM_OPTIONS_NAME}"
-        if fmt == "sglang":
-            return (f"python -m sglang.launch_server --model <target> --speculative-algorithm DFLASH "
-                    f"--speculative-draft-model-path {kind_dir} --speculative-num-draft-tokens {k + 1}")
-        return (f"vllm serve <target> --attention-backend flash_attn --speculative-config '{{\"method\": \"dflash\", "
-                f"\"model\": \"{kind_dir}\", \"num_speculative_tokens\": {k}}}'")
-    if exported_layout(cfg) == "vllm":
-        return f"vllm serve {kind_dir}"
-    if exported_layout(cfg) == TRTLLM_LAYOUT:
-        return f"trtllm-serve <target> --extra_llm_api_options {kind_dir / TRTLLM_OPTIONS_NAME}"
-    if exported_layout(cfg) == "sglang":
-        return (f"python -m sglang.launch_server --model <target> --speculative-algorithm EAGLE3 "
-                f"--speculative-draft-model-path {kind_dir} --speculative-num-steps 5 --speculative-eagle-topk 4 "
-                f"--speculative-num-draft-tokens 8")
+    dflash = exported_dflash(cfg)
+    if dflash == "zlab":
+        out = [("vLLM", _dflash_command(shown, cfg, "vllm")), ("SGLang", _dflash_command(shown, cfg, "sglang"))]
+        if (kind_dir / TRTLLM_OPTIONS_NAME).exists():
+            out.append(("TensorRT-LLM", _dflash_command(shown, cfg, TRTLLM_LAYOUT)))
+        return out
+    if dflash:
+        return [("vLLM", _dflash_command(shown, cfg, "vllm"))]
+    layout = exported_layout(cfg)
+    if layout == "vllm":
+        return [("vLLM", f"vllm serve {shown}")]
+    if layout == TRTLLM_LAYOUT:
+        return [("TensorRT-LLM", f"trtllm-serve <target> --extra_llm_api_options {shown / TRTLLM_OPTIONS_NAME}")]
+    if layout == "sglang":
+        return [("SGLang", f"python -m sglang.launch_server --model <target> --speculative-algorithm EAGLE3 "
+                           f"--speculative-draft-model-path {shown} --speculative-num-steps 5 --speculative-eagle-topk 4 "
+                           f"--speculative-num-draft-tokens 8")]
     if saved_type(cfg) == MEDUSA_TYPE:
-        return (f"vllm serve <target> --speculative-config '{{\"method\": \"medusa\", \"model\": \"{kind_dir}\", "
-                f"\"num_speculative_tokens\": {cfg.get('num_heads', 4)}}}'")
+        return [("vLLM", f"vllm serve <target> --speculative-config '{{\"method\": \"medusa\", \"model\": \"{shown}\", "
+                         f"\"num_speculative_tokens\": {cfg.get('num_heads', 4)}}}'")]
     if saved_type(cfg) == MEDUSA2_TYPE:
-        return (f"merge {kind_dir}/{cfg.get(ADAPTER_KEY, ADAPTER_DIR)} into the target (peft merge_and_unload), then "
-                f"vllm serve <merged target> --speculative-config '{{\"method\": \"medusa\", \"model\": "
-                f"\"{kind_dir}/{cfg.get(HEADS_KEY, HEADS_DIR)}\", \"num_speculative_tokens\": 4}}'")
-    return (f"vllm serve <target> --speculative-config '{{\"model\": \"{kind_dir}\", \"num_speculative_tokens\": 4}}'  "
-            f"|  python -m sglang.launch_server --model <target> --speculative-algorithm STANDALONE "
-            f"--speculative-draft-model-path {kind_dir}")
+        return [("vLLM", f"merge {shown}/{cfg.get(ADAPTER_KEY, ADAPTER_DIR)} into the target (peft merge_and_unload), "
+                         f"then vllm serve <merged target> --speculative-config '{{\"method\": \"medusa\", \"model\": "
+                         f"\"{shown}/{cfg.get(HEADS_KEY, HEADS_DIR)}\", \"num_speculative_tokens\": 4}}'")]
+    return [("vLLM", f"vllm serve <target> --speculative-config '{{\"model\": \"{shown}\", \"num_speculative_tokens\": 4}}'"),
+            ("SGLang", f"python -m sglang.launch_server --model <target> --speculative-algorithm STANDALONE "
+                       f"--speculative-draft-model-path {shown}")]
+
+
+def serve_hint(kind_dir: Path, fmt: str) -> str:
+    """The launch line ``drafttrain export`` prints: the ``fmt`` engine's command for a DFlash export, every
+    engine's (``serve_commands``) otherwise."""
+    cfg = read_json(Path(kind_dir) / CONFIG_NAME)
+    if exported_dflash(cfg):
+        return _dflash_command(kind_dir, cfg, fmt if fmt in ("sglang", TRTLLM_LAYOUT) else "vllm")
+    return "  |  ".join(cmd for _, cmd in serve_commands(kind_dir))
 
 
 def run_export(job) -> Path:

@@ -80,7 +80,8 @@ class StepSpeed:
 
 
 def cost_note(job, model, method, plan) -> str:
-    """What a training step's cost scales with, for the speed line (README: "What a training step costs")."""
+    """What a training step's cost scales with, for the speed line (docs/distributed.md, "What a training step
+    costs")."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     rows = "packed into rows" if job.train.packing else "one per row"
     mbs = f"{plan.accumulation} micro-batch{'es' if plan.accumulation != 1 else ''}"

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The README's "What a training step costs" table: the printed ``speed:`` line of a short EAGLE-3 run per setting.
+"""The "What a training step costs" numbers (docs/distributed.md): the printed ``speed:`` line of a short EAGLE-3 run
+per setting.
 
     DRAFTTRAIN_CACHE=/tmp/dtcache python scripts/lab/step_cost_table.py --runs /tmp/sc --out /tmp/sc/result.json
 
