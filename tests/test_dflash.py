@@ -127,6 +127,16 @@ def test_training_forward_equals_the_decoders_cached_block(target):
         cache = d.new_cache(64)
         d.append_context(cache, taps[0, :p], 0)
         assert torch.allclose(d.logits(h[0, a, 1:]), d.draft_block(cache, int(ids[0, p])), atol=1e-4), p
+    # K < B-1 drafted slots: a block of 1 + K tokens (as vLLM runs it), the same as a training block of that size
+    m4 = block_mask(pos[:, :1], torch.ones(1, 1, dtype=torch.bool), 4, torch.ones_like(ids))
+    with torch.no_grad():
+        h4 = d(d.embed(blk[:, :1, :4].reshape(1, -1)), taps, bpos.view(1, 3, bs)[:, :1, :4].reshape(1, -1),
+               torch.arange(30)[None], m4)
+    cache = d.new_cache(64)
+    d.append_context(cache, taps[0, :9], 0)
+    short = d.draft_block(cache, int(ids[0, 9]), num_slots=3)
+    assert torch.allclose(d.logits(h4[0, 1:]), short, atol=1e-4)
+    assert not torch.allclose(short, d.logits(h[0, 0, 1:4]), atol=1e-4)  # the other slots are attended to
     # the context grows in pieces as the decoder adds verified positions: same keys as one write
     cache = d.new_cache(64)
     d.append_context(cache, taps[0, :5], 0)

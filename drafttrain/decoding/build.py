@@ -127,7 +127,10 @@ def _dflash_proposer(drafter, decode, max_len: int, use_tree: bool):
     if decode is not None and int(decode.num_draft_tokens) > slots:
         raise DraftTrainError(f"decode.num_draft_tokens={decode.num_draft_tokens}: this DFlash drafter's block "
                               f"(block_size {slots + 1}) drafts at most {slots} tokens")
-    return DFlashProposer(drafter, max_len=max_len, **(static_options(decode) if decode is not None else {}))
+    if decode is None:
+        return DFlashProposer(drafter, max_len=max_len)
+    return DFlashProposer(drafter, max_len=max_len, num_draft_tokens=int(decode.num_draft_tokens) or None,
+                          **static_options(decode))
 
 
 def target_taps(method: str, drafter=None, model=None) -> tuple[int, ...] | None:

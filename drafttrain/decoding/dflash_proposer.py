@@ -2,8 +2,10 @@
 
 The drafter's cache holds the context features of every committed position whose target hidden states are
 known (the target's cache: positions 0..n-1); the pending token (position n) is the block's anchor. A round runs
-the block [anchor, mask × (B-1)] once and proposes slots 1..k (k ≤ B-1, ``decode.num_draft_tokens``); after
-verification the context grows by the verified positions [pending, d_1..d_a] and nothing of the block is kept.
+the block [anchor, mask × K] once (K = ``decode.num_draft_tokens`` ≤ B-1: the block holds 1 + K tokens, as vLLM
+and SGLang run it; the drafter was trained on blocks of B, so K = B-1 is the trained shape) and proposes its
+slots (fewer near the end of an answer: the block keeps its K + 1 tokens); after verification the context grows
+by the verified positions [pending, d_1..d_a] and nothing of the block is kept.
 
 Sampling: slot i's own distribution (processed with the target's temperature / top-k / top-p) is the proposal
 of draft i; it does not depend on the earlier drafts, which verification allows (the chain rule only needs q to
@@ -19,10 +21,10 @@ from .proposers import _draft_token, _grammar_scope
 
 
 @torch.no_grad()
-def _draft_static(drafter, ks, vs, length, anchor):
+def _draft_static(drafter, ks, vs, length, anchor, num_slots: int):
     """The block's forward over the whole preallocated cache (slots past ``length`` masked): one shape for
-    every round, what ``compile`` / CUDA graphs run. Logits of every slot ``[1, B-1, V]``."""
-    return drafter.draft_blocks(ks, vs, length, anchor)
+    every round, what ``compile`` / CUDA graphs run. Logits of every slot ``[1, num_slots, V]``."""
+    return drafter.draft_blocks(ks, vs, length, anchor, num_slots)
 
 
 @torch.no_grad()
@@ -42,12 +44,15 @@ class DFlashProposer:
     grammar_aware = True
     one_forward_per_round = True  # drafttrain tune: the draft cost is per round, not per draft token
 
-    def __init__(self, drafter, max_len: int = 4096, static_shapes: bool = False, compile: bool = False):
+    def __init__(self, drafter, max_len: int = 4096, num_draft_tokens: int | None = None, static_shapes: bool = False,
+                 compile: bool = False):
         self.drafter = drafter
         self.max_len = int(max_len)
         p = next(drafter.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.block_size = int(drafter.config.block_size)
+        # the block's drafted slots (1 + slots tokens per forward), whatever a round asks for (at most that)
+        self.slots = min(int(num_draft_tokens or self.block_size - 1), self.block_size - 1)
         self.static_shapes = bool(static_shapes)
         self._draft, self._context = _draft_static, _context_static
         if compile and self.static_shapes:
@@ -76,7 +81,7 @@ class DFlashProposer:
 
     @torch.no_grad()
     def propose(self, tokens, k, sampling, grammar=None):
-        k = min(int(k), self.block_size - 1, self.max_len - self.cache.length - 1)
+        k = min(int(k), self.slots, self.max_len - self.cache.length - 1)
         if k <= 0:
             return [], None
         if len(tokens) != self.cache.length + 1:
@@ -86,9 +91,9 @@ class DFlashProposer:
             c = self.cache
             L = torch.tensor([c.length], device=self.device)
             anchor = torch.tensor([int(tokens[-1])], device=self.device)
-            logits = self._draft(self.drafter, c.k, c.v, L, anchor)[0, :k]
+            logits = self._draft(self.drafter, c.k, c.v, L, anchor, self.slots)[0, :k]
         else:
-            logits = self.drafter.draft_block(self.cache, int(tokens[-1]), num_slots=k)  # [k, V]
+            logits = self.drafter.draft_block(self.cache, int(tokens[-1]), num_slots=self.slots)[:k]  # [k, V]
         if sampling.greedy and grammar is None:
             return logits.argmax(-1), None
         drafts, qs = [], []
@@ -133,6 +138,7 @@ class BatchDFlash:
 
     def __init__(self, proposer: DFlashProposer, capacity: int):
         self.drafter, self.device, self.dtype = proposer.drafter, proposer.device, proposer.dtype
+        self.slots = proposer.slots
         self.capacity = int(capacity)
         self.rows: int | None = None  # the decoder's physical rows (static shapes); default: the first batch
         self.k: list[Tensor] = []
@@ -185,14 +191,14 @@ class BatchDFlash:
     def propose(self, tokens, ks, sampling):
         from .batched import _draft_tokens, _split
 
-        k = min(max(ks), self.drafter.config.block_size - 1)
+        k = min(max(ks), self.slots)
         if k <= 0:
             return [[] for _ in tokens], [None for _ in tokens]
         B = len(tokens)
         C = int(self.n.max())
         anchors = torch.tensor([t[-1] for t in tokens], dtype=torch.long, device=self.device)
         logits = self.drafter.draft_blocks([x[:B, :, :C] for x in self.k], [x[:B, :, :C] for x in self.v],
-                                           self.n, anchors, num_slots=k)  # [B, k, V]
+                                           self.n, anchors, num_slots=self.slots)[:, :k]  # [B, k, V]
         drafts, qs = [], []
         for i in range(k):
             drafts.append(_draft_tokens(logits[:, i], sampling, qs))

@@ -442,12 +442,14 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def draft_blocks(self, ks: list[torch.Tensor], vs: list[torch.Tensor], lengths: torch.Tensor,
                      anchors: torch.Tensor, num_slots: int | None = None) -> torch.Tensor:
-        """One forward over B rows' blocks [anchor, mask × (block_size - 1)] at positions ``lengths[b] ..``; row b
-        sees its first ``lengths[b]`` context entries of ``ks[layer] / vs[layer]`` ``[B, kv, C, D]`` (C ≥ every
-        length) and its whole block. Returns the logits of slots 1..``num_slots`` ``[B, num_slots, V]``."""
+        """One forward over B rows' blocks [anchor, mask × num_slots] at positions ``lengths[b] ..``; row b sees its
+        first ``lengths[b]`` context entries of ``ks[layer] / vs[layer]`` ``[B, kv, C, D]`` (C ≥ every length) and
+        its whole block. ``num_slots`` (default block_size - 1, the trained block): the block holds 1 + num_slots
+        tokens, as the engines run it (vLLM's query is 1 + num_speculative_tokens per request). Returns the logits
+        of slots 1..num_slots ``[B, num_slots, V]``."""
         c = self.config
-        Bs = c.block_size
-        n = Bs - 1 if num_slots is None else int(num_slots)
+        n = c.block_size - 1 if num_slots is None else int(num_slots)
+        Bs = n + 1
         dev = ks[0].device
         B, C = anchors.shape[0], ks[0].shape[2]
         ids = torch.full((B, Bs), c.mask_token_id, dtype=torch.long, device=dev)
@@ -461,13 +463,13 @@ class DFlashDrafter(nn.Module):
             mask = torch.cat([seen, torch.ones(B, Bs, dtype=torch.bool, device=dev)], 1)[:, None].expand(B, Bs, C + Bs)
         for li, layer in enumerate(self.layers):
             x = layer(x, ks[li], vs[li], cos, sin, mask)
-        return self.logits(self.norm(x[:, 1:n + 1]))
+        return self.logits(self.norm(x[:, 1:]))
 
     @torch.no_grad()
     def draft_block(self, cache: DFlashCache, anchor: int | torch.Tensor, num_slots: int | None = None) -> torch.Tensor:
-        """One forward over the block [anchor, mask × (B-1)] at positions ``cache.length ..`` (the anchor is
-        the pending token, just after the committed context). Returns the logits of slots 1..``num_slots``
-        (default B-1) ``[num_slots, V]``: slot k proposes the token k positions after the anchor."""
+        """One forward over the block [anchor, mask × num_slots] (default B-1) at positions ``cache.length ..`` (the
+        anchor is the pending token, just after the committed context). Returns the logits of slots 1..num_slots
+        ``[num_slots, V]``: slot k proposes the token k positions after the anchor."""
         L = cache.length
         dev = cache.k[0].device
         anchor = torch.as_tensor(anchor, dtype=torch.long, device=dev).reshape(1)
