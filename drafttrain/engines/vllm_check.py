@@ -18,7 +18,7 @@ from ..io import DraftTrainError
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 STAMP = ".drafttrain-stamp"
-SPEC_METHOD = {"eagle3": "eagle3", "medusa": "medusa", "medusa2": "medusa", "draft_model": None}
+SPEC_METHOD = {"eagle3": "eagle3", "medusa": "medusa", "medusa2": "medusa", "draft_model": None, "dflash": "dflash"}
 
 
 def engine_venv() -> Path:
@@ -154,7 +154,7 @@ def load_pair(drafter: str | os.PathLike, target: str):
 
 
 def serving_spec(drafter: str | os.PathLike, target: str, work: str | os.PathLike, K: int, *, model=None,
-                 tokenizer=None, dtype: str = "float32") -> dict:
+                 tokenizer=None, dtype: str = "float32", fmt: str | None = None) -> dict:
     """Export ``drafter`` for vLLM under ``work`` (``format=hf`` for a draft model, else ``format=vllm``; an
     EAGLE-3 export is served as it is) and return the driver's run settings (``target``, ``speculative_config``).
     Medusa-2: vLLM serves the target with the adapter merged (``model``, already merged, saved under ``work``)."""
@@ -165,7 +165,7 @@ def serving_spec(drafter: str | os.PathLike, target: str, work: str | os.PathLik
     kind = drafter_type(drafter)
     if kind is None:
         return {"target": str(target), "speculative_config": speculative_config("eagle3", drafter, K)}
-    fmt = "hf" if kind == "draft_model" else "vllm"
+    fmt = fmt or ("hf" if kind == "draft_model" else "vllm")  # DFlash: vllm (speculators) or zlab
     out = export_drafter(drafter, fmt, work / f"export-{fmt}-{dtype}", dtype=dtype, num_speculative_tokens=K,
                          overwrite=True)
     served, spec_dir = str(target), out

@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""Drafter families side by side on the built-in targets: each trained by its recipe (same data, seed, budget),
+then scored by drafttrain's decoder on the same held-out prompts (greedy; the sampled row at T 0.7 / top-p 0.9),
+each at its own draft length (the recipe's, or one per run given with @K).
+
+    python scripts/lab/family_compare.py --targets builtin,builtin-docs --seeds 0 \
+        --runs eagle3:recipe=eagle3@4 dflash:recipe=dflash@15 --out bench/results/family_compare.json
+
+A run spec is ``name:override,override,...@K``. Per (target, seed, run): ``train.py <overrides>`` into
+``<workdir>/<target>-s<seed>-<name>`` (reused when its report.json exists), then the row: τ, α, acceptance per
+position, speedup over AR measured side by side in the run's evaluation (its per-prompt spread), the sampled
+row, training seconds (wall, one process) and tokens per second. Every row keeps its command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _parse(spec: str):
+    name, _, rest = spec.partition(":")
+    over, _, k = rest.partition("@")
+    return name, [o for o in over.split(",") if o], (int(k) if k else None)
+
+
+def _row(run: Path) -> dict:
+    rep = json.loads((run / "report.json").read_text())
+    tm = json.loads((run / "train_metrics.json").read_text())
+    samp = rep.get("sampled") or {}
+    return {
+        "tau": rep["tau"], "alpha": rep["alpha"], "acceptance_per_position": rep["acceptance_per_position"],
+        "speedup": rep["speedup"], "speedup_min": rep.get("speedup_min"), "speedup_max": rep.get("speedup_max"),
+        "outputs_match_baseline": rep["outputs_match_baseline"], "num_draft_tokens": rep.get("num_draft_tokens"),
+        "prompts": rep["prompts"], "train_estimated_tau": rep.get("train_estimated_tau"),
+        "frac_draft": rep.get("frac_draft"),
+        "sampled_tau": samp.get("tau"), "sampled_speedup": samp.get("speedup"),
+        "train_seconds": tm.get("train_seconds"), "steps": (tm.get("history") or [{}])[-1].get("step"),
+        "seconds_per_step": (tm.get("history") or [{}])[-1].get("seconds_per_step"),
+        "train_tokens_per_s": (tm.get("history") or [{}])[-1].get("tokens_per_s"),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--targets", default="builtin")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--runs", nargs="+", required=True)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--workdir", default="/tmp/family_compare")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "family_compare.json"))
+    ap.add_argument("--common", default="logger=none,decode.sweep=[],decode.repeats=1",
+                    help="overrides for every run (comma list)")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    results = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    done = {(r["target"], r["seed"], r["run"]) for r in results["rows"]}
+    for target in a.targets.split(","):
+        for seed in [int(s) for s in a.seeds.split(",")]:
+            for spec in a.runs:
+                name, over, k = _parse(spec)
+                if (target, seed, name) in done:
+                    continue
+                run = Path(a.workdir) / f"{target}-s{seed}-{name}"
+                cmd = [sys.executable, str(REPO / "train.py"), *over, f"target={target}", f"train.seed={seed}",
+                       f"decode.num_prompts={a.num_prompts}", *[c for c in a.common.split(",") if c],
+                       *([f"decode.num_draft_tokens={k}"] if k else []), f"hydra.run.dir={run}"]
+                if not (run / "report.json").exists():
+                    t0 = time.time()
+                    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+                    if r.returncode != 0:
+                        print(f"FAILED {name} on {target}: {r.stderr[-2000:]}", file=sys.stderr)
+                        continue
+                    print(f"{target} seed {seed} {name}: {time.time() - t0:.0f} s", flush=True)
+                row = {"target": target, "seed": seed, "run": name, "command": " ".join(cmd[1:]), **_row(run),
+                       "date": time.strftime("%Y-%m-%d"),
+                       "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                                capture_output=True, text=True).stdout.strip()}
+                results["rows"].append(row)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                tmp = out.with_suffix(".tmp")
+                tmp.write_text(json.dumps(results, indent=1))
+                os.replace(tmp, out)
+                print(json.dumps({k: row[k] for k in ("target", "run", "tau", "speedup", "sampled_tau",
+                                                       "train_seconds")}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
