@@ -123,6 +123,13 @@ def test_training_forward_equals_the_decoders_cached_block(target):
     bpos = (pos[:, :, None] + torch.arange(bs)).view(1, -1)
     with torch.no_grad():
         h = d(d.embed(blk.view(1, -1)), taps, bpos, torch.arange(30)[None], m).view(1, 3, bs, -1)
+    # the training path (each block's context mask, its own block only: no A x A table) computes the same
+    from drafttrain.drafters.dflash import context_mask
+
+    cm = context_mask(pos, torch.ones_like(pos, dtype=torch.bool), torch.ones_like(ids))
+    with torch.no_grad():
+        hb = d(d.embed(blk.view(1, -1)), taps, bpos, torch.arange(30)[None], cm, bs).view(1, 3, bs, -1)
+    assert torch.allclose(hb, h, atol=1e-5)
     for a, p in enumerate(pos[0].tolist()):
         cache = d.new_cache(64)
         d.append_context(cache, taps[0, :p], 0)

@@ -38,7 +38,7 @@ from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_t
                            save_tensors, write_json)
 from drafttrain.targets.load import text_config
 
-__all__ = ["DFlashDrafterConfig", "DFlashDrafter", "DFlashCache", "block_mask", "default_target_layer_ids",
+__all__ = ["DFlashDrafterConfig", "DFlashDrafter", "DFlashCache", "block_mask", "context_mask", "block_attention", "default_target_layer_ids",
            "resolve_layer_ids",
            "default_gamma", "target_identity"]
 
@@ -213,21 +213,59 @@ class DFlashLayer(nn.Module):
         self.mlp = DFlashMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """Block hidden ``x [B, Q, H]`` attends to the context keys/values ``[B, kv, C, D]`` and the block's own;
-        ``mask [B, Q, C + Q]`` bool (True = attend) or None (everything visible)."""
+                mask: torch.Tensor | None, block: int | None = None) -> torch.Tensor:
+        """Block hidden ``x [B, Q, H]`` attends to the context keys/values ``[B, kv, C, D]`` and the block's own.
+        ``block`` None: ``mask [B, Q, C + Q]`` bool (True = attend) or None (everything visible). ``block`` = the
+        block size of Q = A x block queries (training): ``mask [B, A, C]`` is each block's visible context, and a
+        query sees its own block only (:func:`block_attention`: no A x A score table)."""
         h = self.input_layernorm(x)
         att = self.self_attn
         q = att.query(h, cos, sin)
         k, v = att.key_value(h, cos, sin)
-        k, v = torch.cat([ctx_k.to(k.dtype), k], dim=2), torch.cat([ctx_v.to(v.dtype), v], dim=2)
-        bias = None if mask is None else torch.where(mask, 0.0, torch.finfo(q.dtype).min).to(q.dtype)[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=q.shape[1] != k.shape[1])
+        if block is not None:
+            o = block_attention(q, ctx_k.to(k.dtype), ctx_v.to(v.dtype), k, v, mask, block)
+        else:
+            k, v = torch.cat([ctx_k.to(k.dtype), k], dim=2), torch.cat([ctx_v.to(v.dtype), v], dim=2)
+            bias = None if mask is None else torch.where(mask, 0.0, torch.finfo(q.dtype).min).to(q.dtype)[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=q.shape[1] != k.shape[1])
         x = x + att.out(o)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
+                    v_blk: torch.Tensor, ctx_mask: torch.Tensor, block: int) -> torch.Tensor:
+    """Attention of A blocks of ``block`` queries each (``q [B, h, A*block, D]``) over the context
+    (``k_ctx / v_ctx [B, kv, C, D]``, block a sees the columns where ``ctx_mask[b, a]`` is True) and over their
+    own block only (``k_blk / v_blk [B, kv, A*block, D]``, bidirectional): one softmax over [context ; own
+    block] per query, the same numbers as a dense [A*block, C + A*block] mask at C + block columns per query."""
+    B, Hq, Q, D = q.shape
+    kv, A = k_ctx.shape[1], Q // block
+    g = Hq // kv
+    scale = D ** -0.5
+    qg = q.reshape(B, kv, g, A, block, D)
+    s_ctx = torch.einsum("bkgatd,bkcd->bkgatc", qg, k_ctx).float() * scale
+    s_ctx = s_ctx.masked_fill(~ctx_mask[:, None, None, :, None, :], torch.finfo(torch.float32).min)
+    s_blk = torch.einsum("bkgatd,bkasd->bkgats", qg, k_blk.reshape(B, kv, A, block, D)).float() * scale
+    p = torch.softmax(torch.cat([s_ctx, s_blk], -1), -1).to(q.dtype)
+    C = k_ctx.shape[2]
+    o = torch.einsum("bkgatc,bkcd->bkgatd", p[..., :C], v_ctx) + \
+        torch.einsum("bkgats,bkasd->bkgatd", p[..., C:], v_blk.reshape(B, kv, A, block, D))
+    return o.reshape(B, Hq, Q, D)
+
+
 # ----------------------------------------------------------------------------------------------- masks
+def context_mask(anchor_pos: torch.Tensor, anchor_valid: torch.Tensor, attention_mask: torch.Tensor,
+                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Each block's visible context, bool ``[B, A, T]``: the real columns j < anchor_pos[a] in the anchor's
+    document; nothing for a padding block (``anchor_valid`` False)."""
+    T = attention_mask.shape[1]
+    j = torch.arange(T, device=anchor_pos.device)
+    ctx = (j[None, None, :] < anchor_pos[:, :, None]) & attention_mask.bool()[:, None, :]
+    if doc_ids is not None:
+        ctx &= doc_ids[:, None, :] == torch.gather(doc_ids, 1, anchor_pos)[:, :, None]
+    return ctx & anchor_valid[:, :, None]
+
+
 def block_mask(anchor_pos: torch.Tensor, anchor_valid: torch.Tensor, block_size: int, attention_mask: torch.Tensor,
                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The training mask of every block of a row in one forward: bool ``[B, A * block_size, T + A * block_size]``.
@@ -239,12 +277,7 @@ def block_mask(anchor_pos: torch.Tensor, anchor_valid: torch.Tensor, block_size:
     B, A = anchor_pos.shape
     T = attention_mask.shape[1]
     dev = anchor_pos.device
-    j = torch.arange(T, device=dev)
-    ctx = (j[None, None, :] < anchor_pos[:, :, None]) & attention_mask.bool()[:, None, :]  # [B, A, T]
-    if doc_ids is not None:
-        doc_a = torch.gather(doc_ids, 1, anchor_pos)  # [B, A]
-        ctx &= doc_ids[:, None, :] == doc_a[:, :, None]
-    ctx &= anchor_valid[:, :, None]
+    ctx = context_mask(anchor_pos, anchor_valid, attention_mask, doc_ids)  # [B, A, T]
     same = torch.eye(A, dtype=torch.bool, device=dev)[None].expand(B, A, A)  # block a sees block a only
     blocks = same[:, :, :, None].expand(B, A, A, block_size).reshape(B, A, A * block_size)
     m = torch.cat([ctx, blocks], dim=2)  # [B, A, T + A*bs]
@@ -393,11 +426,12 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
 
     def forward(self, block_embeds: torch.Tensor, taps: torch.Tensor, block_pos: torch.Tensor,
-                ctx_pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+                ctx_pos: torch.Tensor, mask: torch.Tensor | None, block: int | None = None) -> torch.Tensor:
         """Training forward: every block of a batch in one pass. ``block_embeds [B, Q, H]`` (the target's
         embeddings of anchor / mask tokens), ``taps [B, C, K*H_t]`` (the context), ``block_pos [B, Q]`` and
-        ``ctx_pos [B, C]`` rotary positions, ``mask [B, Q, C + Q]`` (:func:`block_mask`). Returns the final-normed
-        block hidden states ``[B, Q, H]`` (the lm_head's input)."""
+        ``ctx_pos [B, C]`` rotary positions; ``mask``: the dense ``[B, Q, C + Q]`` (:func:`block_mask`), or with
+        ``block`` (Q = A x block) each block's visible context ``[B, A, C]`` (:func:`context_mask`, what training
+        passes: no A x A table). Returns the final-normed block hidden states ``[B, Q, H]`` (the lm_head's input)."""
         ctx = self.fuse(taps)
         dt = self.fc.weight.dtype
         cos_c, sin_c = self.rotary(ctx_pos, dt)
@@ -405,7 +439,7 @@ class DFlashDrafter(nn.Module):
         x = block_embeds.to(dt)
         for layer in self.layers:
             ck, cv = layer.self_attn.key_value(ctx, cos_c, sin_c)
-            x = layer(x, ck, cv, cos_b, sin_b, mask)
+            x = layer(x, ck, cv, cos_b, sin_b, mask, block)
         return self.norm(x)
 
     # ------------------------------------------------------------------ inference

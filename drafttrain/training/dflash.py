@@ -20,7 +20,7 @@ import torch
 
 from ..data.chat import stop_token_ids
 from ..data.packing import lm_inputs
-from ..drafters.dflash import DFlashDrafter, block_mask, default_gamma, resolve_layer_ids
+from ..drafters.dflash import DFlashDrafter, context_mask, default_gamma, resolve_layer_ids
 from ..io import DraftTrainError
 from ..losses import dflash_slot_stats, dflash_slot_weights, dpace_weights
 from ..targets.load import gather_taps, num_layers
@@ -182,13 +182,13 @@ class DFlashMethod(MethodDefaults):
         ids = torch.full((B, A, Bs), self.mask_id, dtype=torch.long, device=dev)
         ids[:, :, 0] = torch.gather(batch["input_ids"], 1, blocks.pos)
         block_pos = (torch.gather(pos_ids, 1, blocks.pos)[:, :, None] + torch.arange(Bs, device=dev)).view(B, -1)
-        mask = block_mask(blocks.pos, blocks.valid, Bs, batch["attention_mask"], batch.get("doc_ids"))
+        mask = context_mask(blocks.pos, blocks.valid, batch["attention_mask"], batch.get("doc_ids"))  # [B, A, T]
         return drafter.embed(ids.view(B, -1)), block_pos, pos_ids, mask
 
     def loss(self, model, drafter, batch, cap: Capture, global_counts: torch.Tensor, scale: float):
         bl = cap.blocks
         embeds, block_pos, ctx_pos, mask = self._inputs(drafter, batch, bl)
-        hidden = model(embeds, cap.taps, block_pos, ctx_pos, mask)  # [B, A*Bs, H]
+        hidden = model(embeds, cap.taps, block_pos, ctx_pos, mask, self.block)  # [B, A*Bs, H]
         B, A = bl.pos.shape
         rows = hidden.view(B, A, self.block, -1)[:, :, 1:][bl.scored]  # [N, H], row-major over [B, A, S]
         slot = torch.nonzero(bl.scored)[:, 2]
