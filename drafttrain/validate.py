@@ -104,6 +104,15 @@ def _check_rules(job: str, cfg: DictConfig) -> None:
     if job == "train" and cfg.method == "eagle3" and cfg.eagle3.recompute_teacher and not cfg.eagle3.compact_teacher:
         raise DraftTrainError("eagle3.recompute_teacher=true needs eagle3.compact_teacher=true (it recomputes the "
                               "compact teacher's draft-vocabulary logits)")
+    if job == "train" and cfg.method == "dflash" and cfg.decode.method == "dflash" and \
+            cfg.decode.num_draft_tokens > cfg.dflash.block_size - 1:
+        raise DraftTrainError(f"decode.num_draft_tokens={cfg.decode.num_draft_tokens}: a DFlash block of "
+                              f"dflash.block_size={cfg.dflash.block_size} drafts at most {cfg.dflash.block_size - 1} "
+                              "tokens")
+    if job in ("train", "capture") and cfg.get("dflash") is not None and cfg.dflash.target_layer_ids is not None \
+            and len(cfg.dflash.target_layer_ids) == 0:
+        raise DraftTrainError("dflash.target_layer_ids=[]: give at least one target layer (or null for the default "
+                              "spread)")
     if job == "train" and cfg.capture.mode == "offline":
         from .training.method import refuse_offline
 
@@ -245,7 +254,7 @@ def _check_batch(d: DictConfig) -> None:
     bad = [what for on, what in off if on]
     if bad:
         raise DraftTrainError(f"decode.batch_size={d.batch_size}: decode.batch_size>1 supports chain methods only "
-                              f"(ar, pld, eagle3, medusa, draft_model), eager and unconstrained; not {', '.join(bad)}")
+                              f"(ar, pld, eagle3, medusa, draft_model, dflash), eager and unconstrained; not {', '.join(bad)}")
 
 
 def _ascending(values, key: str) -> None:

@@ -146,7 +146,7 @@ def _job(name, **updates):
               "decode.tree.total_tokens": 7}, "decode.tree.total_tokens=7: must be <= "),
     ("eval", {"decode.buckets": [1, 4, 2]}, "decode.buckets=[1,4,2]: must be strictly increasing"),
     ("eval", {"decode.batch_size": 4, "decode.tree.enabled": True}, "decode.batch_size=4: decode.batch_size>1 "
-     "supports chain methods only (ar, pld, eagle3, medusa, draft_model), eager and unconstrained; not "
+     "supports chain methods only (ar, pld, eagle3, medusa, draft_model, dflash), eager and unconstrained; not "
      "decode.tree.enabled=true"),
     ("eval", {"decode.batch_size": 2, "decode.grammar": "json", "decode.static_shapes": True},
      "not decode.grammar=json, decode.static_shapes=true"),
@@ -161,6 +161,9 @@ def _job(name, **updates):
     ("bench", {"decode.method": "pld"}, "decode.method=pld: drafttrain bench does not read it (choose its rows with "
      "methods=[…]"),
     ("eval", {"data.num_eval": 0}, "data.num_eval=0 (every row of a prompt file) needs a file"),
+    ("train", {"method": "dflash", "decode.method": "dflash", "dflash.block_size": 8, "decode.num_draft_tokens": 8},
+     "decode.num_draft_tokens=8: a DFlash block of dflash.block_size=8 drafts at most 7 tokens"),
+    ("train", {"method": "dflash", "dflash.target_layer_ids": []}, "dflash.target_layer_ids=[]: give at least one"),
     ("train", {"data.regen_answers": 2, "data.regen_temperature": 0.0}, "data.regen_answers=2: further answers are "
      "sampled, so it needs data.regenerate=true and data.regen_temperature > 0 (got True, 0)"),
     ("train", {"data.regen_answers": 2, "data.source": "jsonl", "data.path": "x.jsonl"},
