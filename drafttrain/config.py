@@ -325,6 +325,9 @@ class TrainConfig:
     keep_checkpoints: int = num(2, ge=1)
     log_every: int = num(10, ge=1)
     resume: Optional[str] = None  # a checkpoint directory, or "auto" (latest in this run directory)
+    # a run directory that holds an earlier run (final/, checkpoints/, metrics, report) is refused unless the job
+    # resumes it; true: move the earlier run aside to <dir>.old-<time> first (drafttrain/rundir.py)
+    overwrite: bool = False
     eval: bool = True  # evaluate the final drafter in the speculative decoder
     # also decode with every intermediate checkpoint (report.json in its directory; eval/* logged at its step)
     eval_checkpoints: bool = False
@@ -494,6 +497,7 @@ class EvalJob:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalSetConfig = field(default_factory=EvalSetConfig)
+    overwrite: bool = False  # a hydra.run.dir holding an earlier report: move it aside (<dir>.old-<time>)
 
 
 @dataclass
@@ -526,6 +530,7 @@ class BenchJob:
     buckets: List[int] = nums(lambda: list(DEFAULT_BUCKETS), ge=1)  # static_shapes: padded sizes
     compile: bool = False  # with static_shapes: torch.compile (CUDA graphs on CUDA, inductor on CPU)
     threads: int = num(0, ge=0)  # torch.set_num_threads for the run (0: leave as is)
+    overwrite: bool = False  # a hydra.run.dir holding earlier results: move them aside (<dir>.old-<time>)
 
 
 @dataclass
@@ -543,6 +548,7 @@ class TuneJob:
     max_new_tokens: int = num(64, ge=1)
     repeats: int = num(5, ge=1)  # timed repetitions of each target forward size (median)
     threads: int = num(0, ge=0)  # torch.set_num_threads for the run (0: leave as is)
+    overwrite: bool = False  # a hydra.run.dir holding earlier results: move them aside (<dir>.old-<time>)
 
 
 @dataclass
