@@ -35,11 +35,12 @@ def load_training_data(job, model, tokenizer, target_name: str, run_dir: Path):
     d = job.data
     if d.source == "builtin":
         from ..targets.builtin import cache_root
+        from ..targets.identity import target_identity
         from .builtin import builtin_dataset, corpus_of
 
         corpus = corpus_of(d.corpus, target_name)
-        train_convs, eval_convs = builtin_dataset(
-            model, tokenizer, target_id=target_name, num_train=d.num_train, num_eval=d.num_eval,
+        train_convs, eval_convs = builtin_dataset(  # keyed by what the target is, not where it was found
+            model, tokenizer, target_id=target_identity(target_name), num_train=d.num_train, num_eval=d.num_eval,
             max_new_tokens=d.regen_max_new_tokens, regenerate=d.regenerate, temperature=d.regen_temperature,
             batch_size=d.regen_batch_size, cache_dir=cache_root() / "data", seed=d.seed, corpus=corpus,
             sampled_fraction=d.regen_sampled_fraction, answers=d.regen_answers,
