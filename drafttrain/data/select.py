@@ -50,7 +50,10 @@ def load_training_data(job, model, tokenizer, target_name: str, run_dir: Path):
         train_convs, eval_convs = _file_training_rows(d)
     else:
         raise DraftTrainError(f"data.source={d.source}: expected builtin, {', '.join(FILE_SOURCES)}")
-    examples, stats = tokenize_conversations(tokenizer, train_convs, d.max_length, d.overlong)
+    held = getattr(eval_convs, "held_out", 0)
+    note = f"the other {held} of its {held + len(train_convs)} rows are held out for evaluation (data.num_eval=" \
+           f"{d.num_eval})" if held else ""
+    examples, stats = tokenize_conversations(tokenizer, train_convs, d.max_length, d.overlong, note)
     return examples, eval_convs, stats
 
 
@@ -100,8 +103,9 @@ def _file_training_rows(d):
         sel = rows[: d.num_eval] if d.num_eval else rows
         return convs, EvalSet(sel, f"{len(sel)} of {len(rows)} rows of {_label(d, *src)}")
     n_eval = min(d.num_eval, max(0, len(convs) - 1))  # hold out the last num_eval rows (0: none, no final eval)
-    return (convs[: len(convs) - n_eval],
-            EvalSet(convs[len(convs) - n_eval:], held_out_note(n_eval, len(convs), _label(d, d.path, split))))
+    held = EvalSet(convs[len(convs) - n_eval:], held_out_note(n_eval, len(convs), _label(d, d.path, split)))
+    held.held_out = n_eval  # taken from the training rows of the same file (named when none is trainable)
+    return convs[: len(convs) - n_eval], held
 
 
 def describe_data(stats: dict, eval_convs) -> str:
