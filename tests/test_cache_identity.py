@@ -174,3 +174,34 @@ def test_records_made_through_another_path_still_match(tmp_path, monkeypatch):
     check_compatible({"method": "eagle3", "target": str(a)}, {"method": "eagle3", "target": str(link)}, tmp_path)
     with pytest.raises(DraftTrainError, match="checkpoint was made for target"):
         check_compatible({"method": "eagle3", "target": str(a)}, {"method": "eagle3", "target": str(other)}, tmp_path)
+
+
+# ---------------------------------------------------------------- concurrent jobs sharing one cache
+@pytest.mark.slow
+def test_two_trainings_started_together_on_an_empty_cache_build_once_and_agree(tmp_path):
+    """Both jobs need the built-in target and its regenerated data: one builds each (file locks), the other
+    waits and reads the finished artefact (written under a temporary name and renamed, or appended under the
+    lock), and both train the same drafter."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from .conftest import REPO
+
+    env = {**os.environ, "DRAFTTRAIN_CACHE": str(tmp_path / "cache")}
+    args = ["recipe=eagle3", "target.builtin.steps=3", "target.builtin.max_files=20", "data.num_train=16",
+            "data.regen_max_new_tokens=24", "data.num_eval=2", "data.max_length=128", "train.batch_size=4",
+            "train.micro_batch_size=2", "train.max_steps=2", "train.warmup_steps=1", "eagle3.ttt_steps=1",
+            "train.eval=false", "logger=none"]
+    procs = [subprocess.Popen([sys.executable, str(REPO / "train.py"), *args, f"hydra.run.dir={tmp_path / n}"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for n in ("a", "b")]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outs]
+    assert sum("building the built-in target" in o for o in outs) == 1, outs
+    assert sum("built-in data" in o and "regenerated" in o for o in outs) >= 1
+    assert len(list((tmp_path / "cache").glob("builtin-target-*"))) == 1
+    assert not list((tmp_path / "cache").glob(".builtin-target-*.tmp"))  # no half-built target left behind
+    a, b = (load_file(tmp_path / n / "final" / "model.safetensors") for n in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
