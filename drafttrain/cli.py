@@ -197,8 +197,19 @@ def _refuse_renamed(overrides: list[str]) -> None:
 
 
 def _fail(message: str) -> None:
+    _end_progress_bars()
     print(f"error: {message}".splitlines()[0], file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars a failed job left open, so the error starts a line of its own."""
+    std = sys.modules.get("tqdm.std")
+    for bar in list(getattr(getattr(std, "tqdm", None), "_instances", None) or ()):
+        try:
+            bar.close()
+        except Exception:  # a bar that cannot close leaves only a longer line
+            pass
 
 
 # Hydra's own command-line flags whose value is the next argument (``--cfg job``, ``-p train``, ...);
