@@ -162,11 +162,13 @@ def register_configs() -> None:
 register_configs()
 
 
-def check_overrides(config_name: str, overrides: list[str]) -> None:
+def check_overrides(config_name: str, overrides: list[str], run_dir_override: list[str] = ()):
     """Compose the config once up front and check every value (drafttrain.validate), so a bad key, value or
-    path is reported in one line (exit status 2) before the run directory exists or anything loads."""
+    path is reported in one line (exit status 2) before the run directory exists or anything loads. Returns
+    the composed job config and its run directory (hydra.run.dir, with ``run_dir_override`` applied)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf, open_dict
 
     from .io import DraftTrainError
     from .validate import check_job
@@ -175,7 +177,11 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=overrides)
+            cfg = compose(config_name=config_name, overrides=[*overrides, *run_dir_override],
+                          return_hydra_config=True)
+            run_dir = OmegaConf.select(cfg, "hydra.run.dir")
+            with open_dict(cfg):
+                del cfg["hydra"]
     except Exception as e:  # hydra wraps every composition problem; report it as one line
         _fail(_describe_config_error(e, config_name))
     finally:
@@ -184,6 +190,7 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
         check_job(config_name, cfg)
     except DraftTrainError as e:
         _fail(str(e))
+    return cfg, run_dir
 
 
 def _refuse_renamed(config_name: str, overrides: list[str]) -> None:
@@ -207,8 +214,19 @@ def _moved_message(key: str, new: str, value: str | None = None) -> str:
 
 
 def _fail(message: str) -> None:
+    _end_progress_bars()
     print(f"error: {message}".splitlines()[0], file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars a failed job left open, so the error starts a line of its own."""
+    std = sys.modules.get("tqdm.std")
+    for bar in list(getattr(getattr(std, "tqdm", None), "_instances", None) or ()):
+        try:
+            bar.close()
+        except Exception:  # a bar that cannot close leaves only a longer line
+            pass
 
 
 # Hydra's own command-line flags whose value is the next argument (``--cfg job``, ``-p train``, ...);
@@ -240,12 +258,41 @@ def run_hydra(config_name: str, task: Callable, overrides: list[str]) -> None:
 
     overrides = expand_shorthands(overrides)
     checked = [o for o in _without_hydra_flags(overrides) if not o.startswith(("hydra.", "hydra/"))]
-    check_overrides(config_name, checked)
+    explicit = [o for o in overrides if o.startswith("hydra.run.dir=")][-1:]
+    cfg, run_dir = check_overrides(config_name, checked, explicit)
+    if config_name in RUN_DIR_COMMANDS and all(not o.startswith("-") for o in overrides):  # not --cfg / --info / -m
+        overrides = overrides + _settle_run_dir(config_name, cfg, run_dir, bool(explicit))
     configure_cpu_threads()
     quiet_deepspeed_on_cpu()
     sys.argv = [sys.argv[0]] + overrides
     main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(_report_errors(task))
     main()
+
+
+RUN_DIR_COMMANDS = ("train", "eval", "bench", "tune")  # the commands that write into hydra.run.dir
+
+
+def _settle_run_dir(config_name: str, cfg, run_dir: str, explicit: bool) -> list[str]:
+    """Before Hydra creates the run directory: an explicit one that holds an earlier run is refused, or moved
+    aside when the job asks (drafttrain.rundir); a default one is claimed new (``-2``, … when a launch in the
+    same second took it) and handed to Hydra as ``hydra.run.dir``."""
+    import os
+
+    from .io import DraftTrainError
+    from .rundir import claim_new_dir, guard_run_dir
+
+    try:
+        if not explicit:
+            return [f"hydra.run.dir={claim_new_dir(run_dir)}"]
+        if config_name == "train":
+            resume, overwrite = cfg.train.resume, bool(cfg.train.overwrite)
+        else:
+            resume, overwrite = None, bool(cfg.overwrite)
+        guard_run_dir(config_name, run_dir, resume=resume, overwrite=overwrite,
+                      main=os.environ.get("RANK", "0") == "0", say=lambda m: print(m, flush=True))
+    except DraftTrainError as e:
+        _fail(str(e))
+    return []
 
 
 def _train_task(cfg):

@@ -371,6 +371,9 @@ class TrainConfig:
     keep_checkpoints: int = num(2, ge=1)
     log_every: int = num(10, ge=1)
     resume: Optional[str] = None  # a checkpoint directory, or "auto" (latest in this run directory)
+    # a run directory that holds an earlier run (final/, checkpoints/, metrics, report) is refused unless the job
+    # resumes it; true: move the earlier run aside to <dir>.old-<time> first (drafttrain/rundir.py)
+    overwrite: bool = False
     eval: bool = True  # evaluate the final drafter in the speculative decoder
     # also decode with every intermediate checkpoint (report.json in its directory; eval/* logged at its step)
     eval_checkpoints: bool = False
@@ -544,6 +547,7 @@ class EvalJob:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalSetConfig = field(default_factory=EvalSetConfig)
+    overwrite: bool = False  # a hydra.run.dir holding an earlier report: move it aside (<dir>.old-<time>)
 
 
 @dataclass
@@ -573,6 +577,7 @@ class BenchJob:
     pld_tree_nodes: int = num(32, ge=1)  # pld_tree: the most draft nodes per round
     hf_num_assistant_tokens: Optional[int] = num(None, ge=1)  # HF assisted generation: None = HF's default schedule
     threads: int = num(0, ge=0)  # torch.set_num_threads for the run (0: leave as is)
+    overwrite: bool = False  # a hydra.run.dir holding earlier results: move them aside (<dir>.old-<time>)
 
 
 @dataclass
@@ -589,6 +594,7 @@ class TuneJob:
     tree_sizes: List[int] = nums(lambda: [8, 16, 32, 48, 64], ge=1)  # trees: total_tokens candidates
     repeats: int = num(5, ge=1)  # timed repetitions of each target forward size (median)
     threads: int = num(0, ge=0)  # torch.set_num_threads for the run (0: leave as is)
+    overwrite: bool = False  # a hydra.run.dir holding earlier results: move them aside (<dir>.old-<time>)
 
 
 @dataclass

@@ -6,6 +6,7 @@ then ``os.replace``. A crash leaves either the old file or the new one, never ha
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -36,18 +37,49 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# a write that fails for want of room: one line naming the file (what was there before is kept)
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class DiskFullError(DraftTrainError):
+    """A write failed for want of room (ENOSPC, EDQUOT, EFBIG); ``why`` is the system's reason."""
+
+    def __init__(self, message: str, why: str = ""):
+        super().__init__(message)
+        self.why = why
+
+
+def _disk_full(path: Path, why: str, inner: str = "") -> DiskFullError:
+    return DiskFullError(f"{path}: cannot write it{f' ({inner})' if inner else ''}: {why}; the previous "
+                         f"{path.name}, if any, is unchanged — free space and rerun", why)
+
+
+def _reason(e: OSError) -> str:
+    return f"{e.strerror or os.strerror(e.errno)} (errno {e.errno})"
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path in the same directory; on success it is renamed onto ``path``."""
+    """Yield a temporary path in the same directory; on success it is renamed onto ``path``. A full disk (or
+    quota) while writing is one DraftTrainError naming ``path``; the temporary file is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        if e.errno in _FULL:
+            raise _disk_full(path, _reason(e)) from None
+        raise
     os.close(fd)
     tmp = Path(tmp)
     try:
         yield tmp
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+    except OSError as e:
+        if e.errno in _FULL:
+            raise _disk_full(path, _reason(e)) from None
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -150,7 +182,14 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = True) -> Iterator[Path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
-        yield tmp
+        try:
+            yield tmp
+        except DiskFullError as e:  # a file inside: name this directory, the one the user knows
+            raise _disk_full(path, e.why, "while writing its files") from None
+        except OSError as e:  # a writer that does not go through atomic_path (torch.save, save_pretrained)
+            if e.errno in _FULL:
+                raise _disk_full(path, _reason(e)) from None
+            raise
         _fsync_dir(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")

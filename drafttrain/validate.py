@@ -183,6 +183,9 @@ def _check_train(t: DictConfig) -> None:
                               f"({t.micro_batch_size}){procs}")
     if len(t.betas) != 2:
         raise DraftTrainError(f"train.betas={_fmt(t.betas)}: expected two numbers (beta1, beta2)")
+    if t.get("overwrite") and t.resume:
+        raise DraftTrainError(f"train.overwrite=true with train.resume={t.resume}: resuming continues the earlier "
+                              "run, overwrite moves it aside; choose one")
 
 
 def _check_eval_set(cfg: DictConfig) -> None:

@@ -190,10 +190,10 @@ def main(argv=None) -> int:
         else:
             if recipe is None:
                 cmd = [sys.executable, "-m", "drafttrain.cli", "eval", *data, *decode, *extra, *args.overrides,
-                       f"hydra.run.dir={run}"]
+                       "overwrite=true", f"hydra.run.dir={run}"]  # --fresh: the earlier run moves aside
             else:
                 cmd = [sys.executable, str(REPO / "train.py"), f"recipe={recipe}", *data, *budget, *decode, *extra,
-                       *args.overrides, f"hydra.run.dir={run}"]
+                       *args.overrides, "train.overwrite=true", f"hydra.run.dir={run}"]
             run.mkdir(parents=True, exist_ok=True)
             print(f"[compare] {name}: {' '.join(cmd[1:])}", flush=True)
             secs = _run(cmd, run.parent / f"{name}.log", env)
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
         rep = run / "report.json"
         if not rep.exists() or args.fresh:
             cmd = [sys.executable, "-m", "drafttrain.cli", "eval", f"drafter={runs / name / 'final'}", *data,
-                   *decode, *extra, *args.overrides, f"hydra.run.dir={run}"]
+                   *decode, *extra, *args.overrides, "overwrite=true", f"hydra.run.dir={run}"]
             print(f"[compare] {name} ({suffix}): {' '.join(cmd[1:])}", flush=True)
             _run(cmd, runs / f"{name}_{suffix}.log", env)
         return json.loads(rep.read_text())

@@ -47,7 +47,7 @@ run() {
         extra=()
         [ "$mode" = compiled ] && extra=(decode.static_shapes=true decode.compile=true)
         timeout "$([ $mode = eager ] && echo 120 || echo 200)" python3 -m drafttrain.cli bench drafter=.gpu_carry/drafter decode.draft_model=.gpu_carry/draft \
-            decode.num_prompts=8 decode.max_new_tokens=128 decode.repeats=2 "${extra[@]}" "hydra.run.dir=/tmp/bench_$mode" \
+            decode.num_prompts=8 decode.max_new_tokens=128 decode.repeats=2 "${extra[@]}" "hydra.run.dir=/tmp/bench_$mode" overwrite=true \
             > "$OUT/bench_$mode.log" 2>&1
         tail -12 "$OUT/bench_$mode.log"
         cp "/tmp/bench_$mode/bench.json" "$OUT/bench_$mode.json" 2>/dev/null

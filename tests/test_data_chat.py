@@ -310,3 +310,27 @@ def test_eval_prompts_still_refuse_an_empty_turn_before_the_end_and_a_row_withou
     _write(path, [{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": ""}]}])
     with pytest.raises(DraftTrainError, match=r":1: conversation has no user turn"):
         read_conversations(path, prompts_only=True)
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "skip"])
+def test_no_trainable_token_names_the_file_the_held_out_rows_and_the_overlong_count(tok, tmp_path, overlong):
+    """A 10-row file whose every row is too long: the error names the file, says that 9 rows went to the held-out
+    split (data.num_eval) and that the 1 training row is longer than data.max_length."""
+    from drafttrain.config import TrainJob
+    from drafttrain.data.select import load_training_data
+
+    data = tmp_path / "chats.jsonl"
+    row = {"messages": [{"role": "user", "content": "x " * 200}, {"role": "assistant", "content": "ok"}]}
+    data.write_text("".join(json.dumps(row) + "\n" for _ in range(10)))
+    job = TrainJob()
+    job.data.source, job.data.path, job.data.max_length, job.data.overlong = "jsonl", str(data), 32, overlong
+    with pytest.raises(DraftTrainError) as e:
+        load_training_data(job, None, tok, "t", tmp_path)
+    msg = str(e.value)
+    assert msg.startswith(f"{data}: zero trainable (assistant) tokens in the 1 training conversation (1 longer "
+                          "than data.max_length=32"), msg
+    assert "the other 9 of its 10 rows are held out for evaluation (data.num_eval=16)" in msg
+    job.data.num_eval = 0  # every row trains: no held-out part to name
+    with pytest.raises(DraftTrainError, match=r"in the 10 training conversations \(10 longer than") as e:
+        load_training_data(job, None, tok, "t", tmp_path)
+    assert "held out" not in str(e.value)

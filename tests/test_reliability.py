@@ -61,7 +61,8 @@ def test_zero_trainable_tokens_is_an_error(tmp_path, tiny_builtin_target):
     row = {"messages": [{"role": "user", "content": "x " * 400}, {"role": "assistant", "content": "ok"}]}
     data.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
     r = _train([f"data={data}", "data.max_length=32", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"])
-    assert "trainable" in _one_error_line(r)
+    line = _one_error_line(r)
+    assert "trainable" in line and str(data) in line and "longer than data.max_length=32" in line
 
 
 @pytest.mark.slow

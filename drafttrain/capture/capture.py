@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..io import DraftTrainError, read_json, write_json
+from ..identity import same_target, target_identity
 from ..targets.load import gather_taps
 from . import store as S
 
@@ -130,7 +131,8 @@ def make_plan(examples: list[dict], method: str, taps, hidden_size: int, dtype: 
         "features": widths,
         "dtype": dtype,
         "taps": [int(t) for t in taps] if "taps" in widths else None,
-        "target": target_name,
+        "target": target_name,  # where it was read from; compared by identity (identity.py)
+        "target_id": target_identity(target_name),
         "hidden_size": hidden_size,
         "num_examples": len(examples),
         "tokens": int(sum(lengths)),
@@ -142,7 +144,9 @@ def make_plan(examples: list[dict], method: str, taps, hidden_size: int, dtype: 
 
 
 def _check_same_plan(found: dict, plan: dict, directory: Path) -> None:
-    diff = [k for k in plan if found.get(k) != plan[k]]
+    same = {"target": lambda: same_target(found.get("target"), plan["target"]),
+            "target_id": lambda: "target_id" not in found or found["target_id"] == plan["target_id"]}
+    diff = [k for k in plan if found.get(k) != plan[k] and not (k in same and same[k]())]
     if diff:
         raise DraftTrainError(
             f"capture.path={directory} holds a capture made with different {', '.join(diff)}; use a new "

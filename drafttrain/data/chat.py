@@ -527,7 +527,8 @@ def tokenize_conversation(
 
 
 def _tokenize_one(tokenizer, conv, max_length, overlong, where) -> tuple[dict | None, str]:
-    """(example or None, status) with status in {"ok", "truncated", "skipped"}."""
+    """(example or None, status): status "ok" or "truncated" (an example); "skipped" (no assistant token),
+    "too_long" (over max_length, overlong=skip) or "truncated_away" (no assistant token left after truncation)."""
     _check_overlong(overlong)
     if max_length is not None and max_length <= 0:
         raise DraftTrainError(f"max_length={max_length}: must be positive")
@@ -535,36 +536,48 @@ def _tokenize_one(tokenizer, conv, max_length, overlong, where) -> tuple[dict | 
     status = "ok"
     if max_length is not None and len(ids) > max_length:
         if overlong == "skip":
-            return None, "skipped"
+            return None, "too_long"
         ids, mask = ids[:max_length], mask[:max_length]
         status = "truncated"
     if not any(mask):
-        return None, "skipped"
+        return None, "skipped" if status == "ok" else "truncated_away"
     return {"input_ids": ids, "loss_mask": mask}, status
 
 
 def tokenize_conversations(
-    tokenizer, convs: Iterable[ConvLike], max_length: int | None, overlong: str = "truncate"
+    tokenizer, convs: Iterable[ConvLike], max_length: int | None, overlong: str = "truncate", note: str = ""
 ) -> tuple[list[dict[str, list[int]]], dict[str, int]]:
-    """Tokenise many conversations; stats = {rows (kept), truncated, skipped, trainable_tokens}."""
+    """Tokenise many conversations; stats = {rows (kept), truncated, skipped, trainable_tokens}. With no trainable
+    token at all: one error naming the file(s), the counts that explain it and ``note`` (e.g. the held-out rows)."""
     _check_overlong(overlong)
     examples: list[dict] = []
     stats = {"rows": 0, "truncated": 0, "skipped": 0, "trainable_tokens": 0}
-    n = 0
+    n, too_long, files = 0, 0, []
     for n, conv in enumerate(convs, start=1):
         ex, status = _tokenize_one(tokenizer, conv, max_length, overlong, _where_of(conv, n - 1))
+        path = getattr(conv, "path", None)
+        if path is not None and path not in files:
+            files.append(path)
         if ex is None:
             stats["skipped"] += 1
+            too_long += status != "skipped"  # too_long (overlong=skip) or truncated_away (nothing left)
             continue
         stats["truncated"] += status == "truncated"
         stats["rows"] += 1
         stats["trainable_tokens"] += sum(ex["loss_mask"])
         examples.append(ex)
     if stats["trainable_tokens"] == 0:
+        where = f"{', '.join(str(f) for f in files[:3])}{', ...' if len(files) > 3 else ''}: " if files else ""
+        why = []
+        if too_long:
+            cut = "skipped (data.overlong=skip)" if overlong == "skip" else "cut before their first answer token"
+            why.append(f"{too_long} longer than data.max_length={max_length}, {cut}")
+        if stats["skipped"] - too_long:
+            why.append(f"{stats['skipped'] - too_long} with no assistant token")
         raise DraftTrainError(
-            f"zero trainable (assistant) tokens in {n} conversations ({stats['skipped']} skipped"
-            f"{'' if max_length is None else f' at max_length={max_length}, overlong={overlong}'}); "
-            "nothing to train on — check the data and max_length"
+            f"{where}zero trainable (assistant) tokens in the {n} training conversation{'s' if n != 1 else ''}"
+            f"{f' ({chr(59).join(why)})' if why else ''}{f'; {note}' if note else ''}; nothing to train on — check "
+            "the data and data.max_length"
         )
     return examples, stats
 

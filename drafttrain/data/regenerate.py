@@ -426,10 +426,14 @@ def _recover_output(out_path: Path) -> list[str]:
 
 
 def _settings(model, max_new_tokens, temperature, top_p, seed, batch_size, drop_truncated=False) -> dict:
+    from ..identity import target_identity
+
     cfg = getattr(model, "config", None)
+    path = None if model is None else str(getattr(cfg, "_name_or_path", "") or getattr(model, "name_or_path", ""))
     return {
         "backend": "hf",
-        "model": None if model is None else str(getattr(cfg, "_name_or_path", "") or getattr(model, "name_or_path", "")),
+        "model": None if path is None else target_identity(path),  # what it is (checked), not where it was
+        "model_path": path,  # where it was read from (not checked)
         "max_new_tokens": int(max_new_tokens),
         "temperature": float(temperature),
         "top_p": float(top_p),
@@ -445,10 +449,13 @@ def _check_meta(meta_path: Path, settings: dict, has_rows: bool) -> None:
     old = read_json(meta_path)
     if isinstance(old, dict):
         old = {"backend": "hf", **old}
+    from ..identity import same_target
+
     diffs = [
         f"{k}: {old.get(k)!r} -> {settings[k]!r}"
         for k in _CHECKED_SETTINGS
         if isinstance(old, dict) and k in old and settings[k] is not None and old.get(k) != settings[k]
+        and not (k == "model" and same_target(old.get(k), settings[k]))  # an older record holds a path
     ]
     if diffs and has_rows:
         raise DraftTrainError(

@@ -35,11 +35,12 @@ def load_training_data(job, model, tokenizer, target_name: str, run_dir: Path):
     d = job.data
     if d.source == "builtin":
         from ..io import cache_root
+        from ..identity import target_identity
         from .builtin import builtin_dataset, corpus_of
 
         corpus = corpus_of(d.corpus, target_name)
-        train_convs, eval_convs = builtin_dataset(
-            model, tokenizer, target_id=target_name, num_train=d.num_train, num_eval=d.num_eval,
+        train_convs, eval_convs = builtin_dataset(  # keyed by what the target is, not where it was found
+            model, tokenizer, target_id=target_identity(target_name), num_train=d.num_train, num_eval=d.num_eval,
             max_new_tokens=d.regen_max_new_tokens, regenerate=d.regenerate, temperature=d.regen_temperature,
             batch_size=d.regen_batch_size, cache_dir=cache_root() / "data", seed=d.seed, corpus=corpus,
             sampled_fraction=d.regen_sampled_fraction, answers=d.regen_answers,
@@ -49,7 +50,10 @@ def load_training_data(job, model, tokenizer, target_name: str, run_dir: Path):
         train_convs, eval_convs = _file_training_rows(d)
     else:
         raise DraftTrainError(f"data.source={d.source}: expected builtin, {', '.join(FILE_SOURCES)}")
-    examples, stats = tokenize_conversations(tokenizer, train_convs, d.max_length, d.overlong)
+    held = getattr(eval_convs, "held_out", 0)
+    note = f"the other {held} of its {held + len(train_convs)} rows are held out for evaluation (data.num_eval=" \
+           f"{d.num_eval})" if held else ""
+    examples, stats = tokenize_conversations(tokenizer, train_convs, d.max_length, d.overlong, note)
     return examples, eval_convs, stats
 
 
@@ -99,8 +103,9 @@ def _file_training_rows(d):
         sel = rows[: d.num_eval] if d.num_eval else rows
         return convs, EvalSet(sel, f"{len(sel)} of {len(rows)} rows of {_label(d, *src)}")
     n_eval = min(d.num_eval, max(0, len(convs) - 1))  # hold out the last num_eval rows (0: none, no final eval)
-    return (convs[: len(convs) - n_eval],
-            EvalSet(convs[len(convs) - n_eval:], held_out_note(n_eval, len(convs), _label(d, d.path, split))))
+    held = EvalSet(convs[len(convs) - n_eval:], held_out_note(n_eval, len(convs), _label(d, d.path, split)))
+    held.held_out = n_eval  # taken from the training rows of the same file (named when none is trainable)
+    return convs[: len(convs) - n_eval], held
 
 
 def describe_data(stats: dict, eval_convs) -> str:

@@ -249,8 +249,11 @@ def read_checkpoint_meta(path: Path) -> dict:
 
 def check_compatible(meta: dict, expected: dict, path: Path) -> None:
     """Refuse to resume from a checkpoint of another method or another target."""
+    from ..identity import same_target
+
     for key in ("method", "target"):
-        if meta.get(key) != expected.get(key):
+        if meta.get(key) != expected.get(key) and not (key == "target" and same_target(meta.get(key),
+                                                                                      expected.get(key))):
             raise DraftTrainError(
                 f"train.resume={path}: checkpoint was made for {key}={meta.get(key)!r}, this run has "
                 f"{key}={expected.get(key)!r}"

@@ -20,7 +20,9 @@ def offline_data(job, tname: str):
     if not c.path:
         raise DraftTrainError("capture.mode=offline needs capture.path=<directory written by drafttrain capture>")
     store = FeatureStore(c.path, verify=c.verify)
-    if store.meta.get("target") != tname:
+    from ..identity import same_target
+
+    if not same_target(store.meta.get("target_id") or store.meta.get("target"), tname):
         raise DraftTrainError(f"capture.path={c.path}: captured from target {store.meta.get('target')}, but this run's "
                               f"target is {tname}")
     examples = store.examples()
