@@ -83,6 +83,10 @@ def test_anchors_are_supervised_per_document_bounded_and_layout_independent():
     # slot k of the anchor at 4 predicts x_{4+k}: x_5 is scored, x_6 is the next document's
     i = bl.pos[0].tolist().index(4)
     assert bl.labels[0, i].tolist()[0] == 6 and bl.scored[0, i].tolist() == [True, False, False]
+    # an answer's last token (its next token is the user's) anchors nothing: the block would start off the answer
+    turns = {"input_ids": torch.arange(1, 9)[None], "loss_mask": torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1]]),
+             "attention_mask": torch.ones(1, 8, dtype=torch.long)}
+    assert sample_anchors(turns, 10, 4, seed=0, step=0).pos[0].tolist() == [1, 5, 6]
     few = sample_anchors(batch, num_anchors=2, block_size=4, seed=0, step=3)
     assert few.valid.sum() == 4  # two per document
     again = sample_anchors(batch, num_anchors=2, block_size=4, seed=0, step=3)
