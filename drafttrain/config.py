@@ -586,11 +586,12 @@ class TuneJob:
     measured target / draft costs (drafttrain.decoding.tune). The decode settings are `decode.*` (conf/tune.yaml:
     decode.num_prompts=4 calibration prompts, decode.max_new_tokens=64)."""
 
-    drafter: Optional[str] = None  # a saved EAGLE-3 drafter directory (decode.method=eagle3)
+    drafter: Optional[str] = None  # a saved EAGLE-3 or DFlash drafter directory (decode.method=eagle3 / dflash)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)  # method, tree.enabled, draft_model, cache ...
-    max_draft_tokens: int = num(8, ge=1)  # chains: K candidates 0..max_draft_tokens (calibrated at the largest)
+    # chains: K candidates 0..max_draft_tokens (calibrated at the largest); DFlash: every K its block drafts
+    max_draft_tokens: int = num(8, ge=1)
     tree_sizes: List[int] = nums(lambda: [8, 16, 32, 48, 64], ge=1)  # trees: total_tokens candidates
     repeats: int = num(5, ge=1)  # timed repetitions of each target forward size (median)
     threads: int = num(0, ge=0)  # torch.set_num_threads for the run (0: leave as is)

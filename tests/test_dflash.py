@@ -354,3 +354,17 @@ def test_save_export_and_read_back(target, tmp_path):
         assert torch.allclose(e.draft_block(c2, 5), ref, atol=1e-5), out
     with pytest.raises(DraftTrainError, match="1..7"):
         export_drafter(tmp_path / "d", "zlab", tmp_path / "z2", num_speculative_tokens=8)
+
+
+def test_tune_charges_one_draft_forward_per_round():
+    """DFlash's cost model: time(K) = verify(K + 1) + one draft forward + other, whatever K (EAGLE-3: K steps)."""
+    from drafttrain.decoding.tune import choose_chain_length
+
+    verify = {n: 1.0 + 0.01 * n for n in range(1, 9)}
+    acc = [0.9] * 7
+    per_round = choose_chain_length(acc, verify, 0.0, 0.1, 7, draft_cost_per_round=0.5)
+    per_token = choose_chain_length(acc, verify, 0.5, 0.1, 7)
+    t = {r["K"]: r["round_time_s"] for r in per_round["rows"]}
+    assert t[0] == pytest.approx(1.11) and t[1] == pytest.approx(1.02 + 0.5 + 0.1)
+    assert t[7] == pytest.approx(1.08 + 0.5 + 0.1)
+    assert per_round["best"]["K"] == 7 and per_token["best"]["K"] < 7  # one forward drafts the whole block

@@ -96,3 +96,14 @@ def test_zlab_export_evaluates_as_the_final_drafter(run, tmp_path):
     r1, r2 = (json.loads((p / "report.json").read_text()) for p in (run, ev))
     assert r2["method"] == "dflash" and r2["outputs_match_baseline"] is True
     assert r2["tau"] == pytest.approx(r1["tau"]) and r2["acceptance_per_position"] == r1["acceptance_per_position"]
+
+
+def test_tune_picks_a_draft_length_within_the_block(run, tmp_path):
+    """drafttrain tune on a DFlash drafter (decode.method inferred from it): every length up to B - 1 = 5 is
+    costed with one draft forward per round, and the pick is one of them."""
+    run_cmd(["-m", "drafttrain.cli", "tune", f"drafter={run / 'final'}", *TINY_BUILTIN_OVERRIDES, "data.num_eval=3",
+             "decode.num_prompts=2", "decode.max_new_tokens=16", "repeats=2", f"hydra.run.dir={tmp_path / 'tune'}"])
+    res = json.loads((tmp_path / "tune" / "tune.json").read_text())
+    assert res["method"] == "dflash" and [r["K"] for r in res["rows"]] == list(range(6))
+    assert res["draft_cost_per_token_s"] == 0 and res["draft_cost_per_round_s"] > 0
+    assert res["best"]["K"] in range(6)

@@ -447,6 +447,11 @@ def _tune_proposer(job, model, prompts):
     from ..decoding.build import cache_length, make_proposer
 
     dev = next(model.parameters()).device
+    if job.drafter and job.decode.method == "eagle3":  # the default: a saved DFlash drafter names its own method
+        from ..artifacts import drafter_type
+
+        if drafter_type(job.drafter) == "dflash":
+            job.decode.method = "dflash"
     method = job.decode.method
     drafter = None
     if method == "eagle3":

@@ -47,19 +47,37 @@ def _row(run: Path) -> dict:
     }
 
 
+def table(rows: list[dict]) -> str:
+    """The results page's table: per target and run, τ, speedup over AR (per-prompt range), the sampled row,
+    training seconds and seconds per step."""
+    f = lambda x, n=2: "–" if x is None else f"{x:.{n}f}"  # noqa: E731
+    out = ["| target | drafter | K | τ | α | speedup over AR (per-prompt min–max) | sampled τ / speedup | "
+           "greedy == AR | train s (s/step) |", "|---|---|---:|---:|---:|---:|---:|:-:|---:|"]
+    for r in rows:
+        out.append(f"| {r['target']} | {r['run']} | {r['num_draft_tokens']} | {f(r['tau'])} | {f(r['alpha'])} | "
+                   f"{f(r['speedup'])}x ({f(r['speedup_min'])}–{f(r['speedup_max'])}) | "
+                   f"{f(r['sampled_tau'])} / {f(r['sampled_speedup'])}x | {'yes' if r['outputs_match_baseline'] else 'NO'} | "
+                   f"{f(r['train_seconds'], 0)} ({f(r['seconds_per_step'])}) |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--targets", default="builtin")
     ap.add_argument("--seeds", default="0")
-    ap.add_argument("--runs", nargs="+", required=True)
+    ap.add_argument("--runs", nargs="+", default=[])
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--workdir", default="/tmp/family_compare")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "family_compare.json"))
     ap.add_argument("--common", default="logger=none,decode.sweep=[],decode.repeats=1",
                     help="overrides for every run (comma list)")
+    ap.add_argument("--table", action="store_true", help="print the markdown table of --out; run nothing")
     a = ap.parse_args(argv)
     out = Path(a.out)
     results = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    if a.table:
+        print(table(results["rows"]))
+        return 0
     done = {(r["target"], r["seed"], r["run"]) for r in results["rows"]}
     for target in a.targets.split(","):
         for seed in [int(s) for s in a.seeds.split(",")]:
