@@ -477,8 +477,8 @@ def run_tune(job, run_dir: Path) -> dict:
     from ..decoding.build import target_taps
 
     model, tokenizer, path, tname, prompts = _setup(job)
-    method = job.decode.method
     proposer, drafter = _tune_proposer(job, model, prompts)
+    method = job.decode.method  # (a saved DFlash drafter sets it)
     taps = target_taps(method, drafter) if drafter is not None else None
     res = tune(model, tokenizer, prompts, proposer, job.decode, taps=taps, method=method,
                max_draft_tokens=job.max_draft_tokens, tree_sizes=job.tree_sizes,
