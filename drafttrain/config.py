@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from omegaconf import MISSING
+from omegaconf import OmegaConf, MISSING
 
 # ------------------------------------------------------------------------------------------ value rules
 # Every numeric field declares its range and every enumerated one its choices (``num``, ``nums``,
@@ -67,6 +67,10 @@ def matching(default, pattern: str, allowed: str):
     """A string matching the regular expression ``pattern`` (described to the user as ``allowed``)."""
     return _field(default, pattern=(pattern, allowed))
 
+
+# recipes may derive one setting from another: decode.num_draft_tokens: ${minus:${dflash.block_size},1}
+if not OmegaConf.has_resolver("minus"):
+    OmegaConf.register_new_resolver("minus", lambda a, b: int(a) - int(b))
 
 TARGET_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 STORAGE_DTYPES = ("bfloat16", "float16", "float32")

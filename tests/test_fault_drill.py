@@ -6,8 +6,9 @@ Faults are injected by wrapping the one atomic writer (drafttrain.io.atomic_path
 (``_job``): when the final path of a write contains ``at``, the ``nth`` such write either kills the process
 after half of the file is written (``kill``), or raises ENOSPC there (``enospc``). Cases: train (eagle3:
 ENOSPC on a checkpoint, then resume; SIGKILL while writing a checkpoint, then resume), capture (ENOSPC on a
-shard, then rerun), export (SIGKILL while writing, then rerun; ENOSPC over an earlier export). Kills at
-arbitrary moments: tests/test_reliability.py (train, capture)."""
+shard, then rerun), export (SIGKILL while writing, then rerun; ENOSPC over an earlier export), train of
+medusa / draft_model / dflash (SIGKILL while checkpointing, then resume), build-target (SIGKILL before the build
+is in place, then rerun). Kills at arbitrary moments: tests/test_reliability.py (train, capture).""" 
 from __future__ import annotations
 
 import hashlib
@@ -57,8 +58,8 @@ TRAIN = [*TINY_BUILTIN_OVERRIDES, "recipe=eagle3", "data.num_train=24", "data.re
          "train.save_every=2", "train.keep_checkpoints=2"]
 
 
-def _job(args, cwd, at=None, kind="enospc", nth=1, timeout=600):
-    env = dict(os.environ)
+def _job(args, cwd, at=None, kind="enospc", nth=1, timeout=600, extra_env=None):
+    env = dict(os.environ, **(extra_env or {}))
     if at is None:
         cmd = [sys.executable, "-m", "drafttrain.cli", *args]
     else:
@@ -168,3 +169,47 @@ def test_export_killed_then_rerun_and_full_disk_over_an_earlier_export(tmp_path,
     r = _job(["export", f"drafter={drafter}", "format=vllm", f"out={out}"], tmp_path)  # still refused: not empty
     assert "directory is not empty" in _one_error_line(r) and _files(out) == before
     assert json.loads((out / "config.json").read_text())
+
+
+# the other families' train jobs: killed while writing the step-4 checkpoint, then resumed -> the uninterrupted
+# run's final drafter, bit for bit
+FAMILIES = {
+    "medusa": ["recipe=medusa", "medusa.num_heads=2"],
+    "draft_model": ["recipe=draft_model"],
+    "dflash": ["recipe=dflash", "dflash.block_size=4", "dflash.num_anchors=4"],
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_resumes_a_killed_checkpoint_bit_for_bit(family, tmp_path, tiny_builtin_target):
+    args = [a for a in TRAIN if not a.startswith(("recipe=", "eagle3."))] + FAMILIES[family] + ["train.optimizer=adamw"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    r = _job(["train", *args, f"hydra.run.dir={ref}"], REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _job(["train", *args, f"hydra.run.dir={run}"], REPO, at="step_00000004", kind="kill")
+    assert r.returncode == -9, (r.returncode, r.stderr[-2000:])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_00000002"]
+    r = _job(["train", *args, "train.resume=auto", f"hydra.run.dir={run}"], REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _same_weights(ref / "final" / "model.safetensors", run / "final" / "model.safetensors")
+
+
+def test_build_target_killed_then_rebuilt_identically(tmp_path):
+    """build-target killed while writing the build's record (the model and tokenizer already in its temporary
+    folder): nothing under the final name; the rerun builds the same files as an uninterrupted build."""
+    spec = ["target.builtin.steps=4", "target.builtin.max_files=8", "target.builtin.eval_batches=1"]
+    env_a, env_b = tmp_path / "a", tmp_path / "b"
+
+    def build(cache, at=None, kind="kill"):
+        return _job(["build-target", *spec], tmp_path, at=at, kind=kind, extra_env={"DRAFTTRAIN_CACHE": str(cache)})
+
+    assert build(env_a).returncode == 0
+    r = build(env_b, at="drafttrain_builtin.json")
+    assert r.returncode == -9
+    assert not [p for p in env_b.glob("builtin-target-*") if not p.name.startswith(".")]  # no half build
+    assert build(env_b).returncode == 0
+    (a,), (b,) = [[p for p in e.glob("builtin-target-*") if p.is_dir() and not p.name.startswith(".")]
+                  for e in (env_a, env_b)]
+    fa, fb = _files(a), _files(b)
+    fa.pop("drafttrain_builtin.json"), fb.pop("drafttrain_builtin.json")  # it records the build's seconds
+    assert fa == fb
