@@ -53,7 +53,7 @@ RECIPES = {
     "medusa2": ["recipe=medusa2", "medusa.num_heads=3", "medusa.lora.r=4", "medusa.lora.target_modules=[q_proj,v_proj]"],
     "draft_model": ["recipe=draft_model"],
     # DFlash with a block of K + 1 = 4 (vLLM's query per request is 1 + num_speculative_tokens: the trained shape)
-    "dflash": ["recipe=dflash", "dflash.block_size=4", "dflash.num_anchors=16", "train.max_steps=40"],
+    "dflash": ["recipe=dflash", "dflash.block_size=4", "dflash.num_anchors=16", "train.max_steps=150"],
 }
 # case -> (trained drafter, export dtype, mutation of the export)
 CASES = {"eagle3-fp32": ("eagle3", "float32", None), "eagle3-bf16": ("eagle3", "bfloat16", None),
@@ -63,16 +63,18 @@ CASES = {"eagle3-fp32": ("eagle3", "float32", None), "eagle3-bf16": ("eagle3", "
          "eagle3-as-model": ("eagle3", "float32", "as-model"),
          "eagle3-no-d2t": ("eagle3", "float32", "no-d2t"), "eagle3-taps+1": ("eagle3", "float32", "taps+1"),
          "eagle3-residual-flipped": ("eagle3", "float32", "residual-flipped"),
-         # DFlash: the speculators layout (format=vllm) and z-lab's (format=zlab, what SGLang / TRT-LLM load too);
-         # broken: the z-lab layout's target layers one off, or declared causal inside the block
-         "dflash": ("dflash", "float32", None), "dflash-zlab": ("dflash", "float32", "zlab"),
-         "dflash-taps+1": ("dflash", "float32", "zlab-taps+1"), "dflash-causal": ("dflash", "float32", "zlab-causal")}
+         # DFlash: the speculators layout (format=vllm) and z-lab's (format=zlab, what SGLang / TRT-LLM load too).
+         # No broken DFlash cases: with this tiny target, vLLM serving the z-lab export with its layers one off
+         # (tau 2.536 against 2.554) or causal inside the block accepted the same drafts on the prompts that do
+         # not end by length, so the per-prompt check cannot tell them apart (the +1 shift and is_causal are
+         # held by tests/test_dflash.py's export contract instead)
+         "dflash": ("dflash", "float32", None), "dflash-zlab": ("dflash", "float32", "zlab")}
 # DRAFTTRAIN_ENGINE_CASES=dflash,medusa: only the cases whose names start with these (and the drafters they need)
 if os.environ.get("DRAFTTRAIN_ENGINE_CASES"):
     _only = tuple(os.environ["DRAFTTRAIN_ENGINE_CASES"].split(","))
     CASES = {c: v for c, v in CASES.items() if c.startswith(_only)}
     RECIPES = {n: r for n, r in RECIPES.items() if any(v[0] == n for v in CASES.values())}
-BROKEN = [c for c, v in CASES.items() if v[2] not in (None, "as-model")]
+BROKEN = [c for c, v in CASES.items() if v[2] not in (None, "as-model", "zlab")]
 GOOD = [c for c, v in CASES.items() if v[2] in (None, "as-model", "zlab")]
 
 
@@ -98,12 +100,6 @@ def _mutate(spec: dict, how: str, work) -> dict:
 
         final = json.loads((Path(src) / "config.json").read_text())  # speculators layout: the drafter it came from
         export_drafter(spec["_drafter"], "zlab", dst, dtype="float32", num_speculative_tokens=K)
-        cfg = json.loads((dst / "config.json").read_text())
-        if how == "zlab-taps+1":
-            cfg["dflash_config"]["target_layer_ids"] = [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]]
-        elif how == "zlab-causal":
-            cfg["is_causal"], cfg["dflash_config"]["causal"] = True, True
-        (dst / "config.json").write_text(json.dumps(cfg))
         assert final["speculators_model_type"] == "dflash"
         return {**spec, "speculative_config": {**spec["speculative_config"], "model": str(dst)}}
     shutil.copytree(src, dst)
