@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafttrain.layout import CONFIG_NAME, DFLASH_TYPE, TYPE_KEY, WEIGHTS_NAME
-from drafttrain.drafters.eagle3 import (RMSNorm, RotaryEmbedding, SCALED_ROPE_TYPES, _apply_rope, _cfg_get,
+from drafttrain.drafters.eagle3 import (Eagle3MLP, RMSNorm, RotaryEmbedding, SCALED_ROPE_TYPES, _apply_rope, _cfg_get,
                                         _rope_theta, normalise_rope_scaling, rope_scaling_of)
 from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_tensors, read_drafter_config,
                            save_tensors, write_json)
@@ -193,15 +193,7 @@ class DFlashAttention(nn.Module):
         return self.o_proj(attn.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
-class DFlashMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+DFlashMLP = Eagle3MLP  # the same SwiGLU (gate_proj, up_proj, down_proj), Qwen3's
 
 
 class DFlashLayer(nn.Module):
