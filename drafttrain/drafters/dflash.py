@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafttrain.layout import CONFIG_NAME, DFLASH_TYPE, TYPE_KEY, WEIGHTS_NAME
-from drafttrain.drafters.eagle3 import (Eagle3MLP, RMSNorm, RotaryEmbedding, SCALED_ROPE_TYPES, _apply_rope, _cfg_get,
+from drafttrain.drafters.eagle3 import (Eagle3MLP, config_from_dict, RMSNorm, RotaryEmbedding, SCALED_ROPE_TYPES, _apply_rope, _cfg_get,
                                         _rope_theta, normalise_rope_scaling, rope_scaling_of)
 from drafttrain.io import (DraftTrainError, atomic_dir, check_state_dict, load_tensors, read_drafter_config,
                            save_tensors, write_json)
@@ -154,13 +154,7 @@ class DFlashDrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "config") -> "DFlashDrafterConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        required = {f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-        missing = sorted(required - d.keys())
-        if missing:
-            raise DraftTrainError(f"{where}: DFlash config is missing fields: {', '.join(missing)}")
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return config_from_dict(cls, d, f"{where}: DFlash config")
 
 
 # ----------------------------------------------------------------------------------------------- layers

@@ -120,16 +120,22 @@ class Eagle3DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Eagle3DrafterConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        required = {f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-        missing = sorted(required - d.keys())
-        if missing:
-            raise DraftTrainError(f"Eagle3 config is missing fields: {', '.join(missing)}")
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return config_from_dict(cls, d, "Eagle3 config")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def config_from_dict(cls, d: dict[str, Any], what: str):
+    """A drafter config dataclass from a saved config dict: keys it does not know are ignored (a saved file
+    carries drafter_type and the like), a missing required field is one line naming ``what``."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    missing = sorted(required - d.keys())
+    if missing:
+        raise DraftTrainError(f"{what} is missing fields: {', '.join(missing)}")
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
 def _cfg_get(cfg: Any, *names: str, default: Any = None) -> Any:
     for n in names:
         v = getattr(cfg, n, None)
