@@ -51,8 +51,11 @@ def test_train_writes_report_and_drafter(trained_run):
     assert report["outputs_match_baseline"] is True
     assert report["tau"] >= 1.0 and len(report["acceptance_per_position"]) == 3
     assert (trained_run / "acceptance.png").stat().st_size > 1000
-    hist = json.loads((trained_run / "train_metrics.json").read_text())["history"]
+    metrics = json.loads((trained_run / "train_metrics.json").read_text())
+    hist = metrics["history"]
     assert [h["step"] for h in hist] == list(range(1, 7))
+    # the cost of the run, for the results page's tokens per CPU-second and peak memory
+    assert 0 < metrics["train_cpu_seconds"] and 100 < metrics["peak_memory_mb"]["rss"] < 64_000
     assert all("acc_0" in h and "accept_2" in h for h in hist)
     from drafttrain.drafters.eagle3 import Eagle3Drafter
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import resource
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +81,7 @@ class Run:
     history: list = field(default_factory=list)
     cells: list = field(default_factory=lambda: [0, 0])  # tensor cells and real tokens of this process's batches
     train_seconds: float = 0.0
+    train_cpu_seconds: float = 0.0  # this process's CPU time (user + system, all its threads) over the loop
     train_metrics: dict = field(default_factory=dict)
 
     @property
@@ -254,7 +257,7 @@ def train(run: Run) -> None:
     bar = tqdm(range(run.start_step, tc.max_steps), desc="train", disable=not run.main, initial=run.start_step,
                total=tc.max_steps, mininterval=2.0)
     log = {"t": time.time(), "tokens": 0}  # since the last logged step (tokens/s counts training time only)
-    t_start = time.time()
+    t_start, cpu_start = time.time(), time.process_time()
     speed = StepSpeed(acc.num_processes, run.start_step, tc.max_steps, sync=acc.device.type == "cuda")
     for step in bar:
         speed.begin()
@@ -272,6 +275,7 @@ def train(run: Run) -> None:
                 log["t"] += time.time() - t_eval
     bar.close()
     run.train_seconds = time.time() - t_start
+    run.train_cpu_seconds = time.process_time() - cpu_start
 
 
 def train_step(run: Run, step: int, speed: StepSpeed | None = None, log: dict | None = None) -> dict:
@@ -407,6 +411,9 @@ def save_final(run: Run) -> None:
         unwrap(acc, run.wrapped).save_pretrained(run.final_dir)
         padding = run.cells[0] / max(1, run.cells[1])
         write_json(run.run_dir / "train_metrics.json", {"history": run.history, "train_seconds": run.train_seconds,
+                                                        "train_cpu_seconds": run.train_cpu_seconds,
+                                                        "real_tokens": run.cells[1],  # this process's batches
+                                                        "peak_memory_mb": peak_memory_mb(acc.device),
                                                         "padded_per_real_token": padding})
         run.say(f"saved drafter to {run.final_dir} ({run.train_seconds:.0f}s of training; {padding:.2f} tensor "
                 f"cells per real token{'' if tc.packing else ', train.packing=false'})")
@@ -484,3 +491,13 @@ def final_evaluation(run: Run) -> dict | None:
                         tc.eval_sampled_temperature, tc.eval_sampled_top_p, **names)
     _log_eval(run, report, run.run_dir, tc.max_steps)
     return report
+
+
+def peak_memory_mb(device) -> dict:
+    """The main process's peak memory so far, in MiB: resident set (the target, the drafter, the data and the
+    optimizer state together) and, on a GPU, the most torch allocated on it."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    out = {"rss": round(rss / (2**20 if sys.platform == "darwin" else 2**10), 1)}
+    if device.type == "cuda":
+        out["cuda_allocated"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    return out

@@ -1,13 +1,14 @@
-"""τ per category on the standard evaluation sets for the built-in target: EAGLE-3, Medusa-1, the draft model and
-prompt lookup, each through `drafttrain eval eval.set=…` (the per-category table of drafttrain.evaluation.evalsets).
+"""τ per category on the standard evaluation sets for the built-in target: EAGLE-3, Medusa-1, the draft model, DFlash
+and prompt lookup, each through `drafttrain eval eval.set=…` (the per-category table of drafttrain.evaluation.evalsets).
 
     python scripts/lab/evalsets_bench.py --out /tmp/evalsets --sets humaneval \
         /work/shared/evalsets/spec_bench/question.jsonl --per-category 0 5 --max-new-tokens 64
 
 Trains each family with its recipe's defaults (`drafttrain train recipe=<r>`, same built-in data and seed; skip
-with --drafters name=dir), then evaluates every drafter on every set with the same decode settings (greedy, K=4,
-chain, one timed pass: τ and α are exact counts; the speedups are single CPU passes on a shared machine and only
-indicative). Writes <out>/evalsets.json and prints a markdown table per set (bench/notebook/evalsets.md holds one run).
+with --drafters name=dir[@K]; --families picks which to train), then evaluates every drafter on every set with the
+same decode settings (greedy, chain, one timed pass: τ and α are exact counts; the speedups are single CPU passes on
+a shared machine and only indicative) at its own draft length: K=4 for the chain families, the block's B-1 for DFlash,
+or the @K given. Writes <out>/evalsets.json and prints a markdown table per set (bench/notebook/evalsets.md holds one run).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-FAMILIES = {"eagle3": "eagle3", "medusa": "medusa", "draft_model": "draft_model"}
+FAMILIES = {"eagle3": "eagle3", "medusa": "medusa", "draft_model": "draft_model", "dflash": "dflash"}
+DEFAULT_K = {"dflash": 15}  # recipe=dflash drafts the block's B - 1 = 15 slots; every other family K = 4
 
 
 def _run(args: list[str], log: Path) -> None:
@@ -40,11 +42,11 @@ def train(out: Path, family: str, extra: list[str]) -> Path:
     return final
 
 
-def evaluate(out: Path, name: str, drafter: Path | None, set_: str, per_category: int, max_new: int) -> dict:
+def evaluate(out: Path, name: str, drafter: Path | None, set_: str, per_category: int, max_new: int, k: int) -> dict:
     tag = Path(set_).parent.name if set_.endswith(".jsonl") else Path(set_).name
     run = out / f"eval-{name}-{tag}"
     args = ["eval", f"eval.set={set_}", f"eval.per_category={per_category}", f"decode.max_new_tokens={max_new}",
-            "decode.num_draft_tokens=4", "decode.repeats=1", "decode.sweep_prompts=0", f"hydra.run.dir={run}"]
+            f"decode.num_draft_tokens={k}", "decode.repeats=1", "decode.sweep_prompts=0", f"hydra.run.dir={run}"]
     args += [f"drafter={drafter}"] if drafter else ["decode.method=pld"]
     if not (run / "report.json").exists():
         _run(args, out / f"eval-{name}-{tag}.log")
@@ -73,24 +75,30 @@ def main() -> None:
     ap.add_argument("--sets", nargs="+", required=True, help="humaneval and/or question.jsonl paths")
     ap.add_argument("--per-category", type=int, nargs="+", default=[0], help="eval.per_category per set (0: all)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--drafters", nargs="*", default=[], help="name=dir: use a saved drafter instead of training")
+    ap.add_argument("--drafters", nargs="*", default=[],
+                    help="name=dir[@K]: use a saved drafter instead of training (K: its draft length)")
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES), help="the families to evaluate (and train)")
     ap.add_argument("--train-args", nargs="*", default=[], help="extra overrides for every training run")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     given = dict(x.split("=", 1) for x in a.drafters)
-    drafters = {f: Path(given[f]) if f in given else train(a.out, f, a.train_args) for f in FAMILIES}
+    ks = {name: int(d.rpartition("@")[2]) for name, d in given.items() if "@" in d}
+    given = {name: d.rpartition("@")[0] if "@" in d else d for name, d in given.items()}
+    drafters = {f: Path(given[f]) if f in given else train(a.out, f, a.train_args) for f in a.families}
     drafters["pld"] = None
+    ks = {name: ks.get(name, DEFAULT_K.get(name, 4)) for name in drafters}
     per = a.per_category + [a.per_category[-1]] * (len(a.sets) - len(a.per_category))
     results = {}
     for set_, n in zip(a.sets, per):
-        reps = {name: evaluate(a.out, name, d, set_, n, a.max_new_tokens) for name, d in drafters.items()}
+        reps = {name: evaluate(a.out, name, d, set_, n, a.max_new_tokens, ks[name]) for name, d in drafters.items()}
         results[set_] = {name: {k: r.get(k) for k in ("tau", "alpha", "speedup", "prompts", "new_tokens",
-                                                       "acceptance_per_position", "categories", "eval_set")}
+                                                       "acceptance_per_position", "categories", "eval_set",
+                                                       "num_draft_tokens")}
                          for name, r in reps.items()}
         print(f"\n### {set_} (eval.per_category={n}; {reps['pld']['categories'][0]['decode'].split(', ', 1)[1]})\n")
         print(table(reps))
     meta = {"sets": a.sets, "per_category": per, "max_new_tokens": a.max_new_tokens, "drafters": {
-        k: str(v) for k, v in drafters.items()}, "train_args": a.train_args, "threads": os.environ.get("OMP_NUM_THREADS")}
+        k: str(v) for k, v in drafters.items()}, "num_draft_tokens": ks, "train_args": a.train_args, "threads": os.environ.get("OMP_NUM_THREADS")}
     (a.out / "evalsets.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"\nwrote {a.out / 'evalsets.json'}")
 

@@ -9,7 +9,12 @@ each at its own draft length (the recipe's, or one per run given with @K).
 A run spec is ``name:override,override,...@K``. Per (target, seed, run): ``train.py <overrides>`` into
 ``<workdir>/<target>-s<seed>-<name>`` (reused when its report.json exists), then the row: τ, α, acceptance per
 position, speedup over AR measured side by side in the run's evaluation (its per-prompt spread), the sampled
-row, training seconds (wall, one process) and tokens per second. Every row keeps its command.
+row, training seconds (wall and CPU, one process), real tokens per CPU-second and peak memory. Every row keeps its
+command.
+
+With ``--tune``, each drafter is also scored at its tuned draft length: ``drafttrain tune`` (``--tune-prompts``
+calibration prompts, acceptance and costs measured) picks K, then ``drafttrain eval`` at that K on the same
+held-out prompts (the row's ``tuned`` entry; the recipe's K when tune picks it).
 """
 from __future__ import annotations
 
@@ -41,10 +46,49 @@ def _row(run: Path) -> dict:
         "prompts": rep["prompts"], "train_estimated_tau": rep.get("train_estimated_tau"),
         "frac_draft": rep.get("frac_draft"),
         "sampled_tau": samp.get("tau"), "sampled_speedup": samp.get("speedup"),
-        "train_seconds": tm.get("train_seconds"), "steps": (tm.get("history") or [{}])[-1].get("step"),
+        "train_seconds": tm.get("train_seconds"), "train_cpu_seconds": tm.get("train_cpu_seconds"),
+        "train_tokens_per_cpu_s": (tm["real_tokens"] / tm["train_cpu_seconds"]) if tm.get("train_cpu_seconds")
+        and tm.get("real_tokens") else None,
+        "peak_rss_mb": (tm.get("peak_memory_mb") or {}).get("rss"), "steps": (tm.get("history") or [{}])[-1].get("step"),
         "seconds_per_step": (tm.get("history") or [{}])[-1].get("seconds_per_step"),
         "train_tokens_per_s": (tm.get("history") or [{}])[-1].get("tokens_per_s"),
     }
+
+
+def _cli(args: list[str], log: Path) -> None:
+    with log.open("w") as f:
+        r = subprocess.run([sys.executable, "-m", "drafttrain.cli", *args], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    if r.returncode:
+        raise RuntimeError(f"drafttrain {' '.join(args)} failed ({r.returncode}); see {log}")
+
+
+def tuned(run: Path, target: str, a, row: dict) -> dict:
+    """``drafttrain tune`` on the run's drafter, then its evaluation at the picked K (the run's own when equal)."""
+    tdir = run / "tune"
+    if not (tdir / "tune.json").exists():
+        _cli(["tune", f"drafter={run / 'final'}", f"target={target}", f"decode.num_prompts={a.tune_prompts}",
+              "max_draft_tokens=8", f"hydra.run.dir={tdir}"], run / "tune.log")
+    tj = json.loads((tdir / "tune.json").read_text())
+    k = next((int(o.split("=")[1]) for o in tj["overrides"] if o.startswith("decode.num_draft_tokens=")), 0)
+    out = {"K": k, "tune_rows": [{key: r.get(key) for key in ("K", "tau", "speedup_vs_ar")} for r in tj["rows"]]}
+    if k == row["num_draft_tokens"]:
+        return {**out, **{key: row[key] for key in ("tau", "alpha", "speedup", "speedup_min", "speedup_max",
+                                                      "outputs_match_baseline")}}
+    edir = run / f"eval-K{k}"
+    if not (edir / "report.json").exists():
+        _cli(["eval", f"drafter={run / 'final'}", f"target={target}", f"decode.num_prompts={a.num_prompts}",
+              f"decode.num_draft_tokens={k}", "decode.temperature=0.0", "decode.sweep=[]", "decode.repeats=1",
+              f"hydra.run.dir={edir}"], run / f"eval-K{k}.log")
+    rep = json.loads((edir / "report.json").read_text())
+    return {**out, **{key: rep.get(key) for key in ("tau", "alpha", "speedup", "speedup_min", "speedup_max",
+                                                      "outputs_match_baseline")}}
+
+
+def _tuned_cell(t: dict | None) -> str:
+    if not t:
+        return "–"
+    same = "" if t.get("outputs_match_baseline", True) else " (NOT == AR)"
+    return f"K={t['K']}: {t['tau']:.2f} / {t['speedup']:.2f}x{same}"
 
 
 def table(rows: list[dict]) -> str:
@@ -52,12 +96,14 @@ def table(rows: list[dict]) -> str:
     training seconds and seconds per step."""
     f = lambda x, n=2: "–" if x is None else f"{x:.{n}f}"  # noqa: E731
     out = ["| target | drafter | K | τ | α | speedup over AR (per-prompt min–max) | sampled τ / speedup | "
-           "greedy == AR | train s (s/step) |", "|---|---|---:|---:|---:|---:|---:|:-:|---:|"]
+           "greedy == AR | tuned K: τ / speedup | train s (s/step) | tokens / CPU-s | peak RSS MiB |",
+           "|---|---|---:|---:|---:|---:|---:|:-:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['target']} | {r['run']} | {r['num_draft_tokens']} | {f(r['tau'])} | {f(r['alpha'])} | "
                    f"{f(r['speedup'])}x ({f(r['speedup_min'])}–{f(r['speedup_max'])}) | "
                    f"{f(r['sampled_tau'])} / {f(r['sampled_speedup'])}x | {'yes' if r['outputs_match_baseline'] else 'NO'} | "
-                   f"{f(r['train_seconds'], 0)} ({f(r['seconds_per_step'])}) |")
+                   f"{_tuned_cell(r.get('tuned'))} | {f(r['train_seconds'], 0)} ({f(r['seconds_per_step'])}) | "
+                   f"{f(r.get('train_tokens_per_cpu_s'), 0)} | {f(r.get('peak_rss_mb'), 0)} |")
     return "\n".join(out)
 
 
@@ -71,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "family_compare.json"))
     ap.add_argument("--common", default="logger=none,decode.sweep=[],decode.repeats=1",
                     help="overrides for every run (comma list)")
+    ap.add_argument("--tune", action="store_true", help="also score each drafter at its tuned draft length")
+    ap.add_argument("--tune-prompts", type=int, default=8)
     ap.add_argument("--table", action="store_true", help="print the markdown table of --out; run nothing")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -96,7 +144,10 @@ def main(argv=None) -> int:
                         print(f"FAILED {name} on {target}: {r.stderr[-2000:]}", file=sys.stderr)
                         continue
                     print(f"{target} seed {seed} {name}: {time.time() - t0:.0f} s", flush=True)
-                row = {"target": target, "seed": seed, "run": name, "command": " ".join(cmd[1:]), **_row(run),
+                row = {"target": target, "seed": seed, "run": name, "command": " ".join(cmd[1:]), **_row(run)}
+                if a.tune:
+                    row["tuned"] = tuned(run, target, a, row)
+                row = {**row,
                        "date": time.strftime("%Y-%m-%d"),
                        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                                                 capture_output=True, text=True).stdout.strip()}
@@ -105,8 +156,8 @@ def main(argv=None) -> int:
                 tmp = out.with_suffix(".tmp")
                 tmp.write_text(json.dumps(results, indent=1))
                 os.replace(tmp, out)
-                print(json.dumps({k: row[k] for k in ("target", "run", "tau", "speedup", "sampled_tau",
-                                                       "train_seconds")}), flush=True)
+                print(json.dumps({k: row.get(k) for k in ("target", "run", "tau", "speedup", "sampled_tau",
+                                                           "train_seconds", "tuned")}), flush=True)
     return 0
 
 
