@@ -248,8 +248,8 @@ def exported_layout(config: dict) -> str | None:
 
 
 def exported_target(config: dict) -> str | None:
-    """The verifier an exported vLLM (speculators) config names; None for other layouts."""
-    if exported_layout(config) == "vllm":
+    """The verifier an exported vLLM (speculators) config names, EAGLE-3 or DFlash; None for other layouts."""
+    if exported_layout(config) == "vllm" or exported_dflash(config) == "speculators":
         return (config.get("speculators_config", {}).get("verifier") or {}).get("name_or_path")
     return None
 

@@ -343,6 +343,16 @@ def test_save_export_and_read_back(target, tmp_path):
     assert scfg["speculators_model_type"] == "dflash"
     assert scfg["aux_hidden_state_layer_ids"] == [2, 4, 6]  # vLLM's convention: + 1
     assert scfg["sliding_window_non_causal"] is True  # vLLM: causal = not sliding_window_non_causal
+    from drafttrain.artifacts import exported_target, recorded_target
+    from drafttrain.layout import TARGET_KEY
+
+    # a checkpoint speculators' own trainer saved (no drafttrain key) still names its verifier for target=auto
+    scfg["speculators_config"]["verifier"]["name_or_path"] = "Qwen/Qwen3-8B"
+    bare = {k: v for k, v in scfg.items() if k != TARGET_KEY}
+    assert exported_target(bare) == "Qwen/Qwen3-8B"
+    (tmp_path / "spec").mkdir()
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(bare))
+    assert recorded_target(tmp_path / "spec") == "Qwen/Qwen3-8B"
     t = export_drafter(tmp_path / "d", "trtllm", tmp_path / "t", dtype="float32")
     assert "decoding_type: DFlash" in (t / "extra_llm_api_options.yaml").read_text()
     assert "target_layer_ids: [1, 3, 5]" in (t / "extra_llm_api_options.yaml").read_text()
