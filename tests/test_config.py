@@ -207,3 +207,17 @@ def test_the_lab_comparisons_overrides_compose():
     for name, (recipe, extra, _) in compare.METHODS.items():
         job, base = ("eval", []) if recipe is None else ("train", [f"recipe={recipe}"])
         check_values(job, _compose(job, [*base, *extra]))
+
+
+def test_dflash_recipe_drafts_its_whole_block():
+    """The built-in recipe's block (8, chosen by measurement) sets its draft length to B - 1; a block given on the
+    command line moves it too; the real-target recipe keeps the published block 16."""
+    def job(overrides):
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(C.TrainJob),
+                                                   _compose("train", expand_shorthands(overrides))))
+
+    j = job(["recipe=dflash"])
+    assert (j.dflash.block_size, j.decode.num_draft_tokens, j.decode.method) == (8, 7, "dflash")
+    j = job(["recipe=dflash", "dflash.block_size=16"])
+    assert j.decode.num_draft_tokens == 15
+    assert job(["recipe=dflash-qwen3-8b"]).dflash.block_size == 16
