@@ -76,7 +76,8 @@ def tuned(run: Path, target: str, a, row: dict) -> dict:
                                                       "outputs_match_baseline")}}
     edir = run / f"eval-K{k}"
     if not (edir / "report.json").exists():
-        _cli(["eval", f"drafter={run / 'final'}", f"target={target}", f"decode.num_prompts={a.num_prompts}",
+        _cli(["eval", f"drafter={run / 'final'}", f"target={target}", f"data.num_eval={a.num_prompts}",
+              f"decode.num_prompts={a.num_prompts}",
               f"decode.num_draft_tokens={k}", "decode.temperature=0.0", "decode.sweep=[]", "decode.repeats=1",
               f"hydra.run.dir={edir}"], run / f"eval-K{k}.log")
     rep = json.loads((edir / "report.json").read_text())
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--targets", default="builtin")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--runs", nargs="+", default=[])
-    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--num-prompts", type=int, default=16, help="held-out prompts (data.num_eval and decode.num_prompts)")
     ap.add_argument("--workdir", default="/tmp/family_compare")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "family_compare.json"))
     ap.add_argument("--common", default="logger=none,decode.sweep=[],decode.repeats=1",
@@ -135,7 +136,8 @@ def main(argv=None) -> int:
                     continue
                 run = Path(a.workdir) / f"{target}-s{seed}-{name}"
                 cmd = [sys.executable, str(REPO / "train.py"), *over, f"target={target}", f"train.seed={seed}",
-                       f"decode.num_prompts={a.num_prompts}", *[c for c in a.common.split(",") if c],
+                       f"data.num_eval={a.num_prompts}", f"decode.num_prompts={a.num_prompts}",
+                       *[c for c in a.common.split(",") if c],
                        *([f"decode.num_draft_tokens={k}"] if k else []), f"hydra.run.dir={run}"]
                 if not (run / "report.json").exists():
                     t0 = time.time()
