@@ -366,15 +366,24 @@ def test_save_export_and_read_back(target, tmp_path):
         export_drafter(tmp_path / "d", "zlab", tmp_path / "z2", num_speculative_tokens=8)
 
 
-def test_tune_charges_one_draft_forward_per_round():
-    """DFlash's cost model: time(K) = verify(K + 1) + one draft forward + other, whatever K (EAGLE-3: K steps)."""
-    from drafttrain.decoding.tune import choose_chain_length
+def test_tune_measures_a_block_drafter_at_every_length():
+    """DFlash's block is 1 + K tokens, so its tau is measured per K, not predicted from the longest K's acceptance:
+    time(K) = verify(K + 1) + that K's draft forward + other; K = 0 costs AR's round."""
+    from drafttrain.decoding.tune import choose_chain_length, choose_measured_length
 
     verify = {n: 1.0 + 0.01 * n for n in range(1, 9)}
-    acc = [0.9] * 7
-    per_round = choose_chain_length(acc, verify, 0.0, 0.1, 7, draft_cost_per_round=0.5)
-    per_token = choose_chain_length(acc, verify, 0.5, 0.1, 7)
-    t = {r["K"]: r["round_time_s"] for r in per_round["rows"]}
+    # measured: the full block (K = 7) accepts more per slot than a short one
+    measured = [{"K": k, "tau": 1 + 0.7 * k if k < 7 else 6.5, "draft_time_per_round": 0.5,
+                 "other_time_per_round": 0.1} for k in range(1, 8)]
+    res = choose_measured_length(measured, verify, ar_round_time=1.11)
+    t = {r["K"]: r["round_time_s"] for r in res["rows"]}
     assert t[0] == pytest.approx(1.11) and t[1] == pytest.approx(1.02 + 0.5 + 0.1)
     assert t[7] == pytest.approx(1.08 + 0.5 + 0.1)
-    assert per_round["best"]["K"] == 7 and per_token["best"]["K"] < 7  # one forward drafts the whole block
+    assert res["best"]["K"] == 7 and res["rows"][0]["speedup_vs_ar"] == 1.0
+    assert res["best"]["speedup_vs_ar"] == pytest.approx((6.5 / 1.68) / (1 / 1.11))
+    # a short block that measures better wins, whatever the longest K's acceptance would predict
+    measured[2]["tau"] = 8.0
+    assert choose_measured_length(measured, verify, ar_round_time=1.11)["best"]["K"] == 3
+    # a chain drafter (EAGLE-3) still pays per draft token and is predicted from one calibration
+    per_token = choose_chain_length([0.9] * 7, verify, 0.5, 0.1, 7)
+    assert per_token["best"]["K"] < 7

@@ -101,10 +101,14 @@ def test_zlab_export_evaluates_as_the_final_drafter(run, tmp_path):
 
 def test_tune_picks_a_draft_length_within_the_block(run, tmp_path):
     """drafttrain tune on a DFlash drafter (decode.method inferred from it): every length up to B - 1 = 5 is
-    costed with one draft forward per round, and the pick is one of them."""
+    decoded (its block is 1 + K tokens, so its tau is measured, not predicted) and costed with one draft forward
+    per round, and the pick is one of them."""
     run_cmd(["-m", "drafttrain.cli", "tune", f"drafter={run / 'final'}", *TINY_BUILTIN_OVERRIDES, "data.num_eval=3",
              "decode.num_prompts=2", "decode.max_new_tokens=16", "repeats=2", f"hydra.run.dir={tmp_path / 'tune'}"])
     res = json.loads((tmp_path / "tune" / "tune.json").read_text())
     assert res["method"] == "dflash" and [r["K"] for r in res["rows"]] == list(range(6))
     assert res["draft_cost_per_token_s"] == 0 and res["draft_cost_per_round_s"] > 0
+    assert [m["K"] for m in res["measured_per_k"]] == [1, 2, 3, 4, 5]
+    assert [r["tau"] for r in res["rows"][1:]] == [m["tau"] for m in res["measured_per_k"]]
+    assert all(m["draft_time_per_round"] > 0 and 1 <= m["tau"] <= m["K"] + 1 for m in res["measured_per_k"])
     assert res["best"]["K"] in range(6)

@@ -341,8 +341,9 @@ def run_bench(job, run_dir: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- tune
-def _tune_chain(runner, proposer, decode_all, verify: dict, max_draft_tokens: int) -> dict:
-    """Chains: acceptance per position and draft costs at the longest draft length; the best K."""
+def _tune_chain(runner, proposer, decode_all, verify: dict, max_draft_tokens: int, ar_round: float) -> dict:
+    """Chains: acceptance per position and draft costs at the longest draft length; the best K. A block drafter
+    (DFlash) is measured at every K: its block is 1 + K tokens, so its acceptance depends on K."""
     from ..decoding import SpecDecoder
     from ..decoding.tune import choose_chain_length
 
@@ -350,6 +351,8 @@ def _tune_chain(runner, proposer, decode_all, verify: dict, max_draft_tokens: in
     if getattr(proposer, "name", "") == "medusa":
         K = min(K, proposer.heads.num_heads)
     per_round = bool(getattr(proposer, "one_forward_per_round", False))  # DFlash: one forward drafts the block
+    if per_round:
+        return _tune_block(runner, proposer, decode_all, verify, K, ar_round)
     saved = getattr(proposer, "num_tokens", None)
     if saved is not None:
         proposer.num_tokens = K
@@ -358,14 +361,39 @@ def _tune_chain(runner, proposer, decode_all, verify: dict, max_draft_tokens: in
         proposer.num_tokens = saved
     draft_per_token = cal["time_draft"] / max(cal["num_drafted"], 1)
     other = cal["time_other"] / max(cal["num_rounds"], 1)
-    draft_per_round = cal["time_draft"] / max(cal["num_rounds"], 1) if per_round else 0.0
-    choice = choose_chain_length(cal["acceptance_per_position"], verify, 0.0 if per_round else draft_per_token,
-                                 other, K, draft_cost_per_round=draft_per_round)
+    choice = choose_chain_length(cal["acceptance_per_position"], verify, draft_per_token, other, K)
     out = dict(kind="chain", acceptance_per_position=cal["acceptance_per_position"],
-               draft_cost_per_token_s=0.0 if per_round else draft_per_token,
-               draft_cost_per_round_s=draft_per_round, other_cost_per_round_s=other, **choice)
+               draft_cost_per_token_s=draft_per_token, draft_cost_per_round_s=0.0, other_cost_per_round_s=other,
+               **choice)
     best = choice["best"]
     out["overrides"] = [f"decode.num_draft_tokens={best['K']}"] if best and best["K"] > 0 else \
+        ["decode.method=ar  (no draft length beats plain decoding here)"]
+    return out
+
+
+def _tune_block(runner, proposer, decode_all, verify: dict, K: int, ar_round: float) -> dict:
+    """A block drafter: tau, draft and other time measured at each K = 1..K (one decode of the calibration
+    prompts per K); the best K by measured tau over modelled round time."""
+    from ..decoding import SpecDecoder
+    from ..decoding.tune import choose_measured_length
+
+    saved, measured, longest = proposer.slots, [], None  # the block holds 1 + slots tokens
+    try:
+        for k in range(1, K + 1):
+            proposer.slots = k
+            agg = decode_all(SpecDecoder(runner, proposer, k))
+            rounds = max(agg["num_rounds"], 1)
+            measured.append({"K": k, "tau": agg["tau"], "draft_time_per_round": agg["time_draft"] / rounds,
+                             "other_time_per_round": agg["time_other"] / rounds})
+            longest = agg
+    finally:
+        proposer.slots = saved
+    choice = choose_measured_length(measured, verify, ar_round)
+    out = dict(kind="chain", acceptance_per_position=longest["acceptance_per_position"], draft_cost_per_token_s=0.0,
+               draft_cost_per_round_s=measured[-1]["draft_time_per_round"],
+               other_cost_per_round_s=measured[-1]["other_time_per_round"], measured_per_k=measured, **choice)
+    best = choice["best"]
+    out["overrides"] = [f"decode.num_draft_tokens={best['K']}"] if best["K"] > 0 else \
         ["decode.method=ar  (no draft length beats plain decoding here)"]
     return out
 
@@ -430,7 +458,7 @@ def tune(model, tokenizer, prompts, proposer, decode, *, taps=None, method: str,
     ar_round = verify[1] + other_ar
     out = {"method": method, "verify_cost_s": {str(k): v for k, v in verify.items()}, "ar_tokens_per_s": ar["tokens_per_s"]}
     if not is_tree:
-        out.update(_tune_chain(runner, proposer, decode_all, verify, max_draft_tokens))
+        out.update(_tune_chain(runner, proposer, decode_all, verify, max_draft_tokens, ar_round))
     else:
         out.update(_tune_tree(runner, proposer, decode, decode_all, verify, tree_sizes, other_ar, ar_round, log))
     return out
