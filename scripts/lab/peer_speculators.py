@@ -71,8 +71,8 @@ def budget_overrides(a) -> list[str]:
 
 
 def env_for(a, speculators: bool) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "WANDB_MODE": "offline"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "DRAFTTRAIN_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline"}
     if speculators:
         env["PYTHONPATH"] = os.pathsep.join([a.spec_path, str(REPO)] + ([env["PYTHONPATH"]] if env.get(
             "PYTHONPATH") else []))

@@ -96,8 +96,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -106,6 +104,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from drafttrain.io import write_json, write_text  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_speculators import cpu_seconds_of, env_for  # noqa: E402  (the EAGLE-3 peer's runner and environment)
 
 ROWS = ("drafttrain", "spec_same", "spec_defaults")
 DESCRIPTION = {
@@ -144,29 +145,6 @@ def compose_job(a, with_k: bool = True):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("train", overrides=expand_shorthands(["recipe=dflash", *common, *budget_overrides(a)]))
     return OmegaConf.to_object(cfg)
-
-
-def env_for(a, speculators: bool) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "DRAFTTRAIN_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline"}
-    if speculators:
-        env["PYTHONPATH"] = os.pathsep.join([a.spec_path, str(REPO)] + ([env["PYTHONPATH"]] if env.get(
-            "PYTHONPATH") else []))
-    return env
-
-
-def cpu_seconds_of(cmd: list[str], log: Path, env: dict) -> tuple[float, float]:
-    """Run ``cmd`` (its output to ``log``); (wall seconds, child CPU seconds user+system)."""
-    before = os.times()
-    t0 = time.time()
-    with open(log, "w") as f:
-        r = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env)
-    wall = time.time() - t0
-    after = os.times()
-    if r.returncode:
-        tail = "".join(open(log).readlines()[-30:])
-        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}); log {log}:\n{tail}")
-    return wall, (after.children_user - before.children_user) + (after.children_system - before.children_system)
 
 
 # ------------------------------------------------------------------------------------------ driver
