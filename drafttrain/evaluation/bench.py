@@ -341,18 +341,14 @@ def run_bench(job, run_dir: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- tune
-def _tune_chain(runner, proposer, decode_all, verify: dict, max_draft_tokens: int, ar_round: float) -> dict:
-    """Chains: acceptance per position and draft costs at the longest draft length; the best K. A block drafter
-    (DFlash) is measured at every K: its block is 1 + K tokens, so its acceptance depends on K."""
+def _tune_chain(runner, proposer, decode_all, verify: dict, max_draft_tokens: int) -> dict:
+    """Chains: acceptance per position and draft costs at the longest draft length; the best K."""
     from ..decoding import SpecDecoder
     from ..decoding.tune import choose_chain_length
 
     K = max_draft_tokens
     if getattr(proposer, "name", "") == "medusa":
         K = min(K, proposer.heads.num_heads)
-    per_round = bool(getattr(proposer, "one_forward_per_round", False))  # DFlash: one forward drafts the block
-    if per_round:
-        return _tune_block(runner, proposer, decode_all, verify, K, ar_round)
     saved = getattr(proposer, "num_tokens", None)
     if saved is not None:
         proposer.num_tokens = K
@@ -457,8 +453,10 @@ def tune(model, tokenizer, prompts, proposer, decode, *, taps=None, method: str,
     other_ar = max(ar["time_other"] / max(ar["num_rounds"], 1), 0.0)
     ar_round = verify[1] + other_ar
     out = {"method": method, "verify_cost_s": {str(k): v for k, v in verify.items()}, "ar_tokens_per_s": ar["tokens_per_s"]}
-    if not is_tree:
-        out.update(_tune_chain(runner, proposer, decode_all, verify, max_draft_tokens, ar_round))
+    if getattr(proposer, "one_forward_per_round", False):  # DFlash: its block is 1 + K tokens, so measure each K
+        out.update(_tune_block(runner, proposer, decode_all, verify, max_draft_tokens, ar_round))
+    elif not is_tree:
+        out.update(_tune_chain(runner, proposer, decode_all, verify, max_draft_tokens))
     else:
         out.update(_tune_tree(runner, proposer, decode, decode_all, verify, tree_sizes, other_ar, ar_round, log))
     return out
